@@ -1,0 +1,216 @@
+//! Controller configuration, validated once by [`Controller::new`](crate::Controller::new).
+
+use std::error::Error;
+use std::fmt;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::{Clock, SystemClock};
+
+/// Controller settings. Private fields, `#[must_use]` builder methods, validated once.
+///
+/// ```
+/// use std::{num::NonZeroUsize, time::Duration};
+/// let config = nexuscrm_worker::Config::new("bulk")
+///     .capacity(NonZeroUsize::new(8).unwrap())
+///     .reconcile_interval(Duration::from_secs(600));
+/// assert_eq!(config.get_capacity().get(), 8);
+/// ```
+#[derive(Clone)]
+pub struct Config {
+    pub(crate) name: String,
+    pub(crate) capacity: NonZeroUsize,
+    pub(crate) reconcile_interval: Duration,
+    pub(crate) reconcile_jitter: Duration,
+    pub(crate) shutdown_timeout: Duration,
+    pub(crate) generation_retry: Duration,
+    pub(crate) clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("name", &self.name)
+            .field("capacity", &self.capacity)
+            .field("reconcile_interval", &self.reconcile_interval)
+            .field("reconcile_jitter", &self.reconcile_jitter)
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("generation_retry", &self.generation_retry)
+            .field("clock", &self.clock)
+            .finish()
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::new("worker")
+    }
+}
+
+/// Longest accepted duration setting (one year); longer values are almost certainly unit errors.
+const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+impl Config {
+    /// Defaults for a controller named `name` (the name appears in errors, snapshots and logs).
+    #[must_use]
+    pub fn new(name: impl Into<String>) -> Self {
+        Config {
+            name: name.into(),
+            capacity: NonZeroUsize::new(4).expect("4 is not zero"),
+            reconcile_interval: Duration::from_secs(300),
+            reconcile_jitter: Duration::from_secs(30),
+            shutdown_timeout: Duration::from_secs(30),
+            generation_retry: Duration::from_secs(1),
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// Maximum attempts executing at once. By default 4.
+    ///
+    /// `claim` is never asked for more than the free slots, and never for zero.
+    #[must_use]
+    pub fn capacity(mut self, capacity: NonZeroUsize) -> Self {
+        self.capacity = capacity;
+        self
+    }
+
+    /// Period of the reconciliation backstop. By default 5 minutes.
+    ///
+    /// It is a liveness backstop for a lost wake, a bypassed producer or drift, not a polling
+    /// cadence: every backstop costs one `reconcile`, one `claim` and one `next_work_at`. The
+    /// period restarts after every reconciliation, whatever caused it. Must be at least 1 second.
+    #[must_use]
+    pub fn reconcile_interval(mut self, interval: Duration) -> Self {
+        self.reconcile_interval = interval;
+        self
+    }
+
+    /// Up to this much is subtracted at random from each backstop period, so that replicas
+    /// started together do not reconcile in lock-step. By default 30 seconds; `Duration::ZERO`
+    /// makes the backstop exact. Must be smaller than the interval.
+    #[must_use]
+    pub fn reconcile_jitter(mut self, jitter: Duration) -> Self {
+        self.reconcile_jitter = jitter;
+        self
+    }
+
+    /// How long cancellation waits for in-flight attempts and Source operations. By default 30
+    /// seconds.
+    ///
+    /// Past it, `run` returns the in-flight count and the controller is poisoned: the abandoned
+    /// work may still be executing, so the process supervisor must end the process before
+    /// replacing the controller.
+    #[must_use]
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// First delay before re-probing after a generation probe error; it doubles per consecutive
+    /// error up to the reconcile interval. By default 1 second.
+    #[must_use]
+    pub fn generation_retry(mut self, delay: Duration) -> Self {
+        self.generation_retry = delay;
+        self
+    }
+
+    /// The wall clock used to convert `next_work_at` times into timers. By default the system
+    /// clock; tests use a clock driven by tokio's paused time.
+    #[must_use]
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The controller's name.
+    #[must_use]
+    pub fn get_name(&self) -> &str {
+        &self.name
+    }
+
+    /// The configured capacity.
+    #[must_use]
+    pub fn get_capacity(&self) -> NonZeroUsize {
+        self.capacity
+    }
+
+    /// The configured backstop period.
+    #[must_use]
+    pub fn get_reconcile_interval(&self) -> Duration {
+        self.reconcile_interval
+    }
+
+    /// The configured shutdown bound.
+    #[must_use]
+    pub fn get_shutdown_timeout(&self) -> Duration {
+        self.shutdown_timeout
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |setting: &'static str, reason: String| Err(ConfigError { setting, reason });
+        if self.name.is_empty() {
+            return bad("name", "must not be empty".into());
+        }
+        if self.reconcile_interval < Duration::from_secs(1)
+            || self.reconcile_interval > MAX_DURATION
+        {
+            return bad(
+                "reconcile_interval",
+                format!(
+                    "{:?} is outside 1s..=365d (the backstop must not become a poll)",
+                    self.reconcile_interval
+                ),
+            );
+        }
+        if self.reconcile_jitter >= self.reconcile_interval {
+            return bad(
+                "reconcile_jitter",
+                format!(
+                    "{:?} must be smaller than reconcile_interval {:?}",
+                    self.reconcile_jitter, self.reconcile_interval
+                ),
+            );
+        }
+        if self.shutdown_timeout > MAX_DURATION {
+            return bad(
+                "shutdown_timeout",
+                format!("{:?} is longer than a year", self.shutdown_timeout),
+            );
+        }
+        if self.generation_retry.is_zero() || self.generation_retry > MAX_DURATION {
+            return bad(
+                "generation_retry",
+                format!("{:?} is outside (0, 365d]", self.generation_retry),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A rejected [`Config`]: names the setting and says why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    setting: &'static str,
+    reason: String,
+}
+
+impl ConfigError {
+    /// The setting that was rejected.
+    #[must_use]
+    pub fn setting(&self) -> &'static str {
+        self.setting
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid controller setting `{}`: {}",
+            self.setting, self.reason
+        )
+    }
+}
+
+impl Error for ConfigError {}

@@ -1,0 +1,140 @@
+//! `nexuscrm-worker`: the worker lifecycle controller.
+//!
+//! A [`Controller`] drives one domain-owned [`Source`] without ever polling an empty queue. Work
+//! is found through exact due timers ([`Source::next_work_at`]), coalesced process-local wakes
+//! ([`Waker`]), generation changes ([`Source::generation_changed`]) and a low-frequency
+//! reconciliation backstop ([`Config::reconcile_interval`]). Ambiguous failures stop the process
+//! (fail-stop): the controller is poisoned and can never run again.
+//!
+//! The main types:
+//!
+//! - [`Source`]: check_ready, reconcile, claim(capacity), next_work_at, optional generation probe.
+//!   The domain store owns every durable fact.
+//! - [`ClaimBatch`] ([`ClaimBatch::more`] / [`ClaimBatch::done`]) and [`Attempt`]: one
+//!   already-claimed heartbeat/effect/disposition lifecycle.
+//! - [`SourceError`] (outcome unknown by default, [`SourceError::not_committed`] only when proven)
+//!   and [`AttemptError`] (always process-fatal).
+//! - [`Controller`], [`Config`], [`ControllerHandle`], [`Snapshot`], [`RunError`].
+//! - [`Declaration`]: what an acknowledgement promises ([`Durability`] × [`Effect`]).
+//! - [`fault`]: the crash-point vocabulary and the zero-cost [`fault::Faults`] hook.
+//!
+//! # Example
+//!
+//! A small in-memory source: a queue of numbers, each attempt adds its number to a total.
+//!
+//! ```
+//! use std::collections::VecDeque;
+//! use std::num::NonZeroUsize;
+//! use std::sync::{Arc, Mutex};
+//! use std::sync::atomic::{AtomicU64, Ordering};
+//! use std::time::SystemTime;
+//! use nexuscrm_worker::{
+//!     Attempt, AttemptError, ClaimBatch, Config, Controller, Source, SourceError,
+//! };
+//! use tokio_util::sync::CancellationToken;
+//!
+//! #[derive(Default)]
+//! struct Queue { items: Mutex<VecDeque<u64>>, total: Arc<AtomicU64> }
+//!
+//! struct Add { n: u64, total: Arc<AtomicU64> }
+//!
+//! impl Attempt for Add {
+//!     async fn run(self, _cancel: CancellationToken) -> Result<(), AttemptError> {
+//!         self.total.fetch_add(self.n, Ordering::SeqCst); // "effect + disposition"
+//!         Ok(())
+//!     }
+//! }
+//!
+//! impl Source for Queue {
+//!     type Attempt = Add;
+//!     async fn check_ready(&self, _: CancellationToken) -> Result<(), SourceError> { Ok(()) }
+//!     async fn reconcile(&self, _: CancellationToken) -> Result<(), SourceError> { Ok(()) }
+//!     async fn claim(&self, capacity: NonZeroUsize, _: CancellationToken)
+//!         -> Result<ClaimBatch<Add>, SourceError>
+//!     {
+//!         let mut q = self.items.lock().unwrap();
+//!         let n = capacity.get().min(q.len());
+//!         let batch: Vec<Add> =
+//!             q.drain(..n).map(|n| Add { n, total: self.total.clone() }).collect();
+//!         Ok(if q.is_empty() { ClaimBatch::done(batch) } else { ClaimBatch::more(batch) })
+//!     }
+//!     async fn next_work_at(&self, _: CancellationToken)
+//!         -> Result<Option<SystemTime>, SourceError> { Ok(None) }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! let queue = Arc::new(Queue::default());
+//! let controller = Controller::from_arc(queue.clone(), Config::new("adder")).unwrap();
+//! let handle = controller.handle();
+//! let cancel = CancellationToken::new();
+//! let running = tokio::spawn(controller.run(cancel.clone()));
+//! assert!(handle.ready().await);
+//!
+//! // A producer commits work, then wakes the controller.
+//! queue.items.lock().unwrap().extend(1..=10);
+//! handle.waker().wake();
+//! while queue.total.load(Ordering::SeqCst) < 55 {
+//!     tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+//! }
+//!
+//! cancel.cancel();
+//! let controller = running.await.unwrap().expect("clean drain hands the controller back");
+//! let snap = controller.handle().snapshot();
+//! assert_eq!(snap.attempts_completed, 10);
+//! assert_eq!(snap.poisoned, None);
+//! # }
+//! ```
+//!
+//! # Contract surfaces
+//!
+//! | Contract surface | Rust item | Owned by the controller | What it does not prove |
+//! |---|---|---|---|
+//! | `CheckReady` | [`Source::check_ready`] | Read-only startup gate; an error ends `run` without poisoning | Store durability or schema correctness |
+//! | generation probe | [`Source::generation`], [`Source::generation_changed`] | Read-only change hint; a changed cursor requests reconciliation | Work existence, ordering, or ownership |
+//! | `Reconcile` | [`Source::reconcile`] | Serialized; startup, requested, generation, backstop | Safe replay after an error unless [`SourceError::not_committed`] |
+//! | `Claim` | [`Source::claim`] | Sole immediate eligibility transition, at most the free capacity | Correct domain SQL, fairness, or cross-process uniqueness |
+//! | `ClaimBatch.More` | [`ClaimBatch::more`] / [`ClaimBatch::done`] | Sole authority for an immediate bounded continuation | Future eligibility after a terminal batch |
+//! | `NextWorkAt` | [`Source::next_work_at`] | One exact, strictly-future timer; overdue answers suppressed ([`Snapshot::overdue_suppressed`]) | Immediate work authority, or a reason to replay an empty claim |
+//! | `Wake` | [`Waker::wake`] | Coalesced process-local claim hint | Durable work, reconciliation, or delivery |
+//! | periodic reconciliation | [`Config::reconcile_interval`] | Bounded liveness backstop | A business-queue polling cadence |
+//! | `Attempt.Run` | [`Attempt::run`] | Executes an already-claimed attempt; `Err`/panic is fatal | Replay safety after a non-`Ok` result |
+//!
+//! Controller tests prove process-local ordering, capacity, fail-stop behaviour and Source-call
+//! budgets. They cannot prove database atomicity, distributed claim uniqueness, durable recovery,
+//! effect idempotency or deployed cost: each family's real store tests do that.
+
+#![forbid(unsafe_code)]
+
+/// Emits a tracing event when the `tracing` feature is on; expands to nothing otherwise.
+macro_rules! log_event {
+    ($level:ident, $($arg:tt)*) => {
+        #[cfg(feature = "tracing")]
+        {
+            ::tracing::$level!($($arg)*);
+        }
+    };
+}
+
+mod classification;
+mod clock;
+mod config;
+mod controller;
+pub mod fault;
+mod snapshot;
+mod source;
+
+pub use classification::{Classification, Declaration, DeclarationError, Durability, Effect};
+pub use clock::{Clock, SystemClock};
+pub use config::{Config, ConfigError};
+pub use controller::{Controller, ControllerHandle, RunError, RunErrorKind, Waker};
+pub use snapshot::{ReconcileCause, ReconcileCounts, Snapshot};
+pub use source::{Attempt, AttemptError, BoxError, ClaimBatch, Generation, Source, SourceError};
+
+#[allow(dead_code)]
+fn assert_send<T: Send>(_: &T) {}
+
+#[allow(dead_code)]
+fn run_future_is_send<S: Source>(c: Controller<S>) {
+    assert_send(&c.run(tokio_util::sync::CancellationToken::new()));
+}

@@ -1,0 +1,184 @@
+//! Process-level observations of one controller.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+/// Why a reconciliation ran. Requests that arrive together coalesce into one reconciliation,
+/// counted once under the first cause in this order: startup, requested, generation change,
+/// generation loss, backstop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReconcileCause {
+    /// The startup reconciliation before Ready.
+    Startup,
+    /// [`ControllerHandle::request_reconcile`](crate::ControllerHandle::request_reconcile).
+    Requested,
+    /// The generation probe saw a changed cursor.
+    GenerationChange,
+    /// The generation probe failed (a lost change signal).
+    GenerationLoss,
+    /// The periodic liveness backstop.
+    Backstop,
+}
+
+/// Reconciliations counted by cause.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReconcileCounts {
+    /// Startup reconciliations (one per run that got that far).
+    pub startup: u64,
+    /// Explicitly requested.
+    pub requested: u64,
+    /// Caused by a generation change.
+    pub generation_change: u64,
+    /// Caused by a generation probe loss.
+    pub generation_loss: u64,
+    /// Caused by the periodic backstop.
+    pub backstop: u64,
+}
+
+impl ReconcileCounts {
+    /// All reconciliation calls.
+    #[must_use]
+    pub fn total(&self) -> u64 {
+        self.startup
+            + self.requested
+            + self.generation_change
+            + self.generation_loss
+            + self.backstop
+    }
+}
+
+/// A point-in-time copy of a controller's counters; cheap, lock-free reads.
+///
+/// It is the only process-level observation. Queue depth, age, poison and uncertain counts are
+/// domain observations and come from each family's store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Snapshot {
+    /// Controller name.
+    pub name: String,
+    /// Calls of `run` (including ones that failed at `check_ready`).
+    pub runs: u64,
+    /// Whether the current run has reported Ready and has not stopped.
+    pub ready: bool,
+    /// Configured capacity.
+    pub capacity: usize,
+    /// Attempts executing now.
+    pub in_flight: usize,
+    /// `check_ready` calls.
+    pub check_ready_calls: u64,
+    /// `claim` calls.
+    pub claim_calls: u64,
+    /// Attempts returned by `claim`.
+    pub attempts_claimed: u64,
+    /// Attempts that returned (`Ok`, `Err` or panic).
+    pub attempts_completed: u64,
+    /// Attempts that returned `Err` or panicked.
+    pub attempts_failed: u64,
+    /// `next_work_at` calls.
+    pub next_work_at_calls: u64,
+    /// `next_work_at` errors (recorded, never poisoning).
+    pub next_work_at_errors: u64,
+    /// Reconciliations by cause.
+    pub reconciles: ReconcileCounts,
+    /// Wakes received through [`Waker::wake`](crate::Waker::wake).
+    pub wakes_received: u64,
+    /// Wakes absorbed by a wake or claim turn that was already pending.
+    pub wakes_coalesced: u64,
+    /// Exact due timers armed (an armed timer replaced by a newer answer counts again).
+    pub timers_armed: u64,
+    /// Due timers that fired and offered a claim turn.
+    pub timers_fired: u64,
+    /// Already-due `next_work_at` answers that were deliberately not armed.
+    pub overdue_suppressed: u64,
+    /// Generation probe calls (`generation` and `generation_changed`).
+    pub generation_probes: u64,
+    /// Changed generation cursors observed.
+    pub generation_changes: u64,
+    /// Probe returns with an unchanged cursor (no other Source call follows).
+    pub generation_spurious: u64,
+    /// Generation probe errors.
+    pub generation_losses: u64,
+    /// Why the controller was poisoned, once it is. A poisoned controller never runs again.
+    pub poisoned: Option<String>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) runs: AtomicU64,
+    pub(crate) ready: AtomicBool,
+    pub(crate) in_flight: AtomicUsize,
+    pub(crate) check_ready_calls: AtomicU64,
+    pub(crate) claim_calls: AtomicU64,
+    pub(crate) attempts_claimed: AtomicU64,
+    pub(crate) attempts_completed: AtomicU64,
+    pub(crate) attempts_failed: AtomicU64,
+    pub(crate) next_work_at_calls: AtomicU64,
+    pub(crate) next_work_at_errors: AtomicU64,
+    pub(crate) reconcile_startup: AtomicU64,
+    pub(crate) reconcile_requested: AtomicU64,
+    pub(crate) reconcile_generation_change: AtomicU64,
+    pub(crate) reconcile_generation_loss: AtomicU64,
+    pub(crate) reconcile_backstop: AtomicU64,
+    pub(crate) wakes_received: AtomicU64,
+    pub(crate) wakes_coalesced: AtomicU64,
+    pub(crate) timers_armed: AtomicU64,
+    pub(crate) timers_fired: AtomicU64,
+    pub(crate) overdue_suppressed: AtomicU64,
+    pub(crate) generation_probes: AtomicU64,
+    pub(crate) generation_changes: AtomicU64,
+    pub(crate) generation_spurious: AtomicU64,
+    pub(crate) generation_losses: AtomicU64,
+    pub(crate) poisoned: OnceLock<String>,
+}
+
+pub(crate) fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Relaxed);
+}
+
+impl Counters {
+    pub(crate) fn reconcile(&self, cause: ReconcileCause) {
+        bump(match cause {
+            ReconcileCause::Startup => &self.reconcile_startup,
+            ReconcileCause::Requested => &self.reconcile_requested,
+            ReconcileCause::GenerationChange => &self.reconcile_generation_change,
+            ReconcileCause::GenerationLoss => &self.reconcile_generation_loss,
+            ReconcileCause::Backstop => &self.reconcile_backstop,
+        });
+    }
+
+    pub(crate) fn snapshot(&self, name: &str, capacity: usize) -> Snapshot {
+        let l = |c: &AtomicU64| c.load(Relaxed);
+        Snapshot {
+            name: name.to_owned(),
+            runs: l(&self.runs),
+            ready: self.ready.load(Relaxed),
+            capacity,
+            in_flight: self.in_flight.load(Relaxed),
+            check_ready_calls: l(&self.check_ready_calls),
+            claim_calls: l(&self.claim_calls),
+            attempts_claimed: l(&self.attempts_claimed),
+            attempts_completed: l(&self.attempts_completed),
+            attempts_failed: l(&self.attempts_failed),
+            next_work_at_calls: l(&self.next_work_at_calls),
+            next_work_at_errors: l(&self.next_work_at_errors),
+            reconciles: ReconcileCounts {
+                startup: l(&self.reconcile_startup),
+                requested: l(&self.reconcile_requested),
+                generation_change: l(&self.reconcile_generation_change),
+                generation_loss: l(&self.reconcile_generation_loss),
+                backstop: l(&self.reconcile_backstop),
+            },
+            wakes_received: l(&self.wakes_received),
+            wakes_coalesced: l(&self.wakes_coalesced),
+            timers_armed: l(&self.timers_armed),
+            timers_fired: l(&self.timers_fired),
+            overdue_suppressed: l(&self.overdue_suppressed),
+            generation_probes: l(&self.generation_probes),
+            generation_changes: l(&self.generation_changes),
+            generation_spurious: l(&self.generation_spurious),
+            generation_losses: l(&self.generation_losses),
+            poisoned: self.poisoned.get().cloned(),
+        }
+    }
+}

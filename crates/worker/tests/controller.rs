@@ -1,0 +1,852 @@
+//! Controller semantics under tokio's paused clock, with exact Source-call budgets.
+//!
+//! Every test ends by checking that the controller's snapshot agrees with the calls the scripted
+//! source counted.
+
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use nexuscrm_worker::{Config, Controller, ControllerHandle, RunError, RunErrorKind};
+use nexuscrm_worker_test::{
+    AttemptPlan, ClaimPlan, Due, GenEvent, OnCancel, Op, ScriptedSource, Step, assert_calls,
+};
+use tokio::task::JoinHandle;
+use tokio::time::sleep;
+use tokio_util::sync::CancellationToken;
+
+type Ctl = Controller<ScriptedSource>;
+type Outcome = Result<Ctl, RunError<ScriptedSource>>;
+
+const SEC: Duration = Duration::from_secs(1);
+
+fn nz(n: usize) -> NonZeroUsize {
+    NonZeroUsize::new(n).unwrap()
+}
+
+fn config(src: &ScriptedSource) -> Config {
+    Config::new("test")
+        .capacity(nz(4))
+        .reconcile_interval(Duration::from_secs(300))
+        .reconcile_jitter(Duration::ZERO)
+        .shutdown_timeout(Duration::from_secs(10))
+        .clock(src.clock())
+}
+
+struct Running {
+    task: JoinHandle<Outcome>,
+    handle: ControllerHandle,
+    cancel: CancellationToken,
+}
+
+impl Running {
+    async fn stop(self) -> Outcome {
+        self.cancel.cancel();
+        self.task.await.expect("run task")
+    }
+}
+
+fn start_with(src: &ScriptedSource, cfg: Config) -> Running {
+    let ctl = Controller::new(src.clone(), cfg).expect("valid config");
+    let handle = ctl.handle();
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(ctl.run(cancel.clone()));
+    Running {
+        task,
+        handle,
+        cancel,
+    }
+}
+
+fn start(src: &ScriptedSource) -> Running {
+    start_with(src, config(src))
+}
+
+/// Lets every task run to quiescence without moving the paused clock.
+async fn settle() {
+    for _ in 0..64 {
+        tokio::task::yield_now().await;
+    }
+}
+
+fn ops(src: &ScriptedSource) -> Vec<Op> {
+    src.calls().into_iter().map(|c| c.op).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn startup_runs_check_ready_then_generation_then_reconcile_then_ready_then_claim() {
+    let src = ScriptedSource::new();
+    src.set_generation(7);
+    // Hold reconcile for 1 s so Ready can be observed to come only after it.
+    src.push_reconcile(Step::ok(()).after(SEC));
+    let r = start(&src);
+    settle().await;
+    assert!(
+        !r.handle.snapshot().ready,
+        "not Ready before the startup reconciliation"
+    );
+    assert_calls!(
+        src,
+        check_ready = 1,
+        generation = 1,
+        reconcile = 1,
+        claim = 0
+    );
+    assert!(r.handle.ready().await);
+    settle().await;
+    // The probe's change wait runs concurrently; the protocol order is about the rest.
+    let order: Vec<Op> = ops(&src)
+        .into_iter()
+        .filter(|o| *o != Op::GenerationChanged)
+        .collect();
+    assert_eq!(
+        order,
+        vec![
+            Op::CheckReady,
+            Op::Generation,
+            Op::Reconcile,
+            Op::Claim,
+            Op::NextWorkAt
+        ]
+    );
+    assert_eq!(
+        src.times(Op::Claim),
+        vec![SEC],
+        "claim only after the reconcile finished"
+    );
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn check_ready_error_ends_run_without_poison_and_a_second_run_works() {
+    let src = ScriptedSource::new();
+    src.push_check_ready(Step::err("schema missing"));
+    let ctl = Controller::new(src.clone(), config(&src)).unwrap();
+    let handle = ctl.handle();
+    let err = ctl.run(CancellationToken::new()).await.unwrap_err();
+    assert_eq!(err.kind(), RunErrorKind::NotReady);
+    assert!(!err.is_poisoned());
+    assert!(err.to_string().contains("schema missing"), "{err}");
+    assert_calls!(
+        src,
+        check_ready = 1,
+        reconcile = 0,
+        claim = 0,
+        next_work_at = 0
+    );
+    assert!(!handle.is_poisoned());
+
+    let ctl = err.into_controller().expect("handed back");
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(ctl.run(cancel.clone()));
+    assert!(handle.ready().await);
+    settle().await;
+    assert_calls!(
+        src,
+        check_ready = 2,
+        reconcile = 1,
+        claim = 1,
+        next_work_at = 1
+    );
+    cancel.cancel();
+    assert!(task.await.unwrap().is_ok());
+    let snap = handle.snapshot();
+    assert_eq!(snap.runs, 2);
+    src.assert_snapshot_agrees(&snap);
+}
+
+#[tokio::test(start_paused = true)]
+async fn claim_never_asks_for_more_than_free_capacity_nor_for_zero() {
+    let src = ScriptedSource::new();
+    src.check_capacity(4);
+    // Endless work: every claim fills what it was asked for, attempts of varying length.
+    src.default_claim(|cap| {
+        ClaimPlan::more(
+            (0..cap)
+                .map(|i| AttemptPlan::ok(Duration::from_millis(100 + 37 * i as u64)))
+                .collect(),
+        )
+    });
+    let r = start(&src);
+    sleep(Duration::from_secs(30)).await;
+    let caps = src.claim_capacities();
+    assert!(caps.len() > 100, "kept claiming: {}", caps.len());
+    assert_eq!(caps[0], 4, "first claim asks for the whole capacity");
+    assert!(caps.iter().all(|&c| (1..=4).contains(&c)), "{caps:?}");
+    assert!(
+        caps.iter().any(|&c| c < 4),
+        "partial capacity was offered too"
+    );
+    assert_eq!(src.over_capacity(), 0, "never more than 4 attempts at once");
+    assert_eq!(src.max_in_flight(), 4);
+    assert_calls!(src, next_work_at = 0);
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_larger_than_asked_fails_closed_and_poisons() {
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::done(vec![AttemptPlan::ok(SEC); 5])));
+    let r = start(&src);
+    let err = r.task.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), RunErrorKind::ContractViolation);
+    assert!(err.is_poisoned());
+    assert!(
+        err.to_string().contains("5 attempts for a capacity of 4"),
+        "{err}"
+    );
+    assert_eq!(src.attempts_started(), 0, "none of the oversized batch ran");
+    assert_calls!(src, claim = 1, next_work_at = 0);
+    assert!(r.handle.is_poisoned());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_empty_batch_asking_for_more_is_a_contract_violation() {
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::more(vec![])));
+    let r = start(&src);
+    let err = r.task.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), RunErrorKind::ContractViolation);
+    assert_calls!(src, claim = 1, next_work_at = 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn more_continues_at_once_and_waits_for_capacity_when_none_is_free() {
+    let src = ScriptedSource::new();
+    // Two slots. First batch fills both and asks for more: no slot is free, so the next claim
+    // waits until the 10 s attempt finishes.
+    let cfg = config(&src).capacity(nz(2));
+    src.push_claim(Step::ok(ClaimPlan::more(vec![
+        AttemptPlan::ok(Duration::from_secs(10)),
+        AttemptPlan::ok(Duration::from_secs(20)),
+    ])));
+    // One slot free: a batch of one that asks for more; still one slot busy... then continue.
+    src.push_claim(Step::ok(ClaimPlan::more(vec![AttemptPlan::ok(
+        Duration::from_secs(5),
+    )])));
+    // A partially-filled batch with `more` continues at once while a slot is free.
+    src.push_claim(Step::ok(ClaimPlan::done(vec![])));
+    let r = start_with(&src, cfg);
+    settle().await;
+    assert_calls!(src, claim = 1, next_work_at = 0);
+    sleep(Duration::from_secs(9)).await;
+    assert_calls!(src, claim = 1, next_work_at = 0);
+    sleep(SEC).await;
+    settle().await;
+    // At 10 s: one slot free -> claim(1) -> more, but no slot free again -> wait.
+    assert_calls!(src, claim = 2, next_work_at = 0);
+    assert_eq!(src.claim_capacities(), vec![2, 1]);
+    sleep(Duration::from_secs(5)).await;
+    settle().await;
+    // At 15 s the 5 s attempt finished: the pending continuation claims at once.
+    assert_calls!(src, claim = 3, next_work_at = 1);
+    assert_eq!(
+        src.times(Op::Claim),
+        vec![Duration::ZERO, 10 * SEC, 15 * SEC]
+    );
+    assert_eq!(src.claim_capacities(), vec![2, 1, 1]);
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_terminal_batch_calls_next_work_at_exactly_once() {
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::done(vec![AttemptPlan::ok(SEC); 3])));
+    let r = start(&src);
+    sleep(Duration::from_secs(299)).await;
+    // Attempt completions free capacity only: no further claim or next_work_at before the
+    // backstop at 300 s.
+    assert_calls!(src, claim = 1, next_work_at = 1, reconcile = 1);
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.attempts_completed, 3);
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_due_time_90s_ahead_claims_exactly_once_at_90s_and_never_before() {
+    let src = ScriptedSource::new();
+    src.push_next_work_at(Step::ok(Due::In(Duration::from_secs(90))));
+    let r = start(&src);
+    sleep(Duration::from_secs(89)).await;
+    assert_calls!(src, claim = 1, next_work_at = 1);
+    sleep(Duration::from_millis(999)).await;
+    assert_calls!(src, claim = 1);
+    sleep(Duration::from_millis(1)).await;
+    settle().await;
+    assert_calls!(src, claim = 2, next_work_at = 2, reconcile = 1);
+    assert_eq!(src.times(Op::Claim), vec![Duration::ZERO, 90 * SEC]);
+    let snap = r.handle.snapshot();
+    assert_eq!((snap.timers_armed, snap.timers_fired), (1, 1));
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_newer_earlier_due_time_replaces_the_older_timer() {
+    let src = ScriptedSource::new();
+    src.push_next_work_at(Step::ok(Due::In(Duration::from_secs(90))));
+    src.push_next_work_at(Step::ok(Due::In(Duration::from_secs(20))));
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    settle().await;
+    sleep(Duration::from_secs(10)).await;
+    r.handle.waker().wake();
+    settle().await;
+    // The wake's claim got `next_work_at` = 10 s + 20 s; the 90 s timer is gone.
+    assert_calls!(src, claim = 2, next_work_at = 2);
+    sleep(Duration::from_secs(100)).await;
+    assert_eq!(
+        src.times(Op::Claim),
+        vec![Duration::ZERO, 10 * SEC, 30 * SEC]
+    );
+    assert_calls!(src, claim = 3, next_work_at = 3);
+    let snap = r.handle.snapshot();
+    assert_eq!((snap.timers_armed, snap.timers_fired), (2, 1));
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_already_due_next_work_at_is_not_armed_and_nothing_runs_until_wake_or_backstop() {
+    for due in [Due::Ago(Duration::ZERO), Due::Ago(Duration::from_secs(5))] {
+        let src = ScriptedSource::new();
+        src.push_next_work_at(Step::ok(due));
+        let r = start(&src);
+        sleep(Duration::from_secs(299)).await;
+        let snap = r.handle.snapshot();
+        assert_eq!(snap.overdue_suppressed, 1, "{due:?}");
+        assert_eq!(snap.timers_armed, 0);
+        assert_calls!(src, reconcile = 1, claim = 1, next_work_at = 1);
+        // The backstop at 300 s recovers.
+        sleep(SEC).await;
+        settle().await;
+        assert_calls!(src, reconcile = 2, claim = 2, next_work_at = 2);
+        src.assert_snapshot_agrees(&r.handle.snapshot());
+        assert!(r.stop().await.is_ok());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempt_completion_while_a_future_timer_is_armed_makes_no_source_call() {
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::done(vec![
+        AttemptPlan::ok(SEC),
+        AttemptPlan::ok(2 * SEC),
+    ])));
+    src.push_next_work_at(Step::ok(Due::In(Duration::from_secs(60))));
+    let r = start(&src);
+    sleep(Duration::from_secs(59)).await;
+    assert_eq!(r.handle.snapshot().attempts_completed, 2);
+    assert_calls!(src, claim = 1, next_work_at = 1);
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_thousand_wakes_during_an_in_flight_claim_cause_exactly_one_more_claim_turn() {
+    let src = ScriptedSource::new();
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    settle().await;
+    src.push_claim(Step::ok(ClaimPlan::empty()).after(SEC));
+    let waker = r.handle.waker();
+    waker.wake();
+    settle().await;
+    assert_calls!(src, claim = 2);
+    for _ in 0..1000 {
+        waker.wake();
+    }
+    sleep(Duration::from_secs(10)).await;
+    assert_calls!(src, claim = 3, next_work_at = 3, reconcile = 1);
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.wakes_received, 1001);
+    assert_eq!(snap.wakes_coalesced, 999);
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn wakes_before_a_claim_turn_coalesce_and_never_reconcile() {
+    let src = ScriptedSource::new();
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    settle().await;
+    for _ in 0..50 {
+        r.handle.waker().wake();
+    }
+    settle().await;
+    assert_calls!(src, reconcile = 1, claim = 2, next_work_at = 2);
+    assert_eq!(r.handle.snapshot().wakes_coalesced, 49);
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn request_reconcile_reconciles_before_the_next_claim_and_requests_coalesce() {
+    let src = ScriptedSource::new();
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    settle().await;
+    for _ in 0..10 {
+        r.handle.request_reconcile();
+    }
+    r.handle.waker().wake();
+    settle().await;
+    assert_calls!(src, reconcile = 2, claim = 2, next_work_at = 2);
+    let order = ops(&src);
+    assert_eq!(
+        &order[5..],
+        &[Op::Reconcile, Op::Claim, Op::NextWorkAt],
+        "reconcile before claim: {order:?}"
+    );
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.reconciles.requested, 1);
+    assert_eq!(snap.reconciles.startup, 1);
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_changed_generation_reconciles_and_an_unchanged_one_costs_nothing() {
+    let src = ScriptedSource::new();
+    src.set_generation(1);
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    settle().await;
+    assert_calls!(
+        src,
+        reconcile = 1,
+        claim = 1,
+        next_work_at = 1,
+        generation_changed = 1
+    );
+
+    // Spurious returns with the same cursor: the probe waits again, nothing else happens.
+    for _ in 0..5 {
+        src.generation_event(GenEvent::Spurious);
+        settle().await;
+    }
+    assert_calls!(
+        src,
+        reconcile = 1,
+        claim = 1,
+        next_work_at = 1,
+        generation_changed = 6
+    );
+    assert_eq!(r.handle.snapshot().generation_spurious, 5);
+
+    src.generation_event(GenEvent::Changed(2));
+    settle().await;
+    assert_calls!(
+        src,
+        reconcile = 2,
+        claim = 2,
+        next_work_at = 2,
+        generation_changed = 7
+    );
+    let order: Vec<Op> = ops(&src)
+        .into_iter()
+        .filter(|o| *o != Op::GenerationChanged)
+        .collect();
+    assert_eq!(
+        &order[order.len() - 3..],
+        &[Op::Reconcile, Op::Claim, Op::NextWorkAt]
+    );
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.generation_changes, 1);
+    assert_eq!(snap.reconciles.generation_change, 1);
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_generation_error_is_a_loss_that_reconciles_once_and_never_poisons() {
+    let src = ScriptedSource::new();
+    src.set_generation(1);
+    let cfg = config(&src).generation_retry(SEC);
+    let r = start_with(&src, cfg);
+    assert!(r.handle.ready().await);
+    settle().await;
+    // The probe fails, and its re-reads fail twice more (one loss streak).
+    src.fail_generation_reads(2);
+    src.generation_event(GenEvent::Error);
+    settle().await;
+    assert_calls!(src, reconcile = 2, claim = 2, next_work_at = 2);
+    // Retries at +1 s and +2 s fail; at +4 s the read succeeds with an unchanged cursor.
+    sleep(Duration::from_secs(10)).await;
+    assert_calls!(
+        src,
+        reconcile = 2,
+        claim = 2,
+        next_work_at = 2,
+        generation = 4
+    );
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.generation_losses, 3);
+    assert_eq!(snap.reconciles.generation_loss, 1);
+    assert_eq!(snap.poisoned, None);
+    assert_eq!(src.times(Op::Generation)[1..], [SEC, 3 * SEC, 7 * SEC]);
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_startup_generation_read_is_recorded_and_does_not_poison() {
+    let src = ScriptedSource::new();
+    src.set_generation(1).fail_generation_reads(1);
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    settle().await;
+    assert_calls!(src, reconcile = 1, claim = 1);
+    assert_eq!(r.handle.snapshot().generation_losses, 1);
+    // The probe re-establishes after the retry delay; with no cursor to compare against it
+    // reconciles once, in case a change was missed.
+    sleep(Duration::from_secs(2)).await;
+    assert_calls!(src, reconcile = 2, claim = 2, generation = 2);
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn ten_idle_hours_cost_exactly_the_backstop_and_nothing_else() {
+    let src = ScriptedSource::new();
+    src.set_generation(1);
+    let r = start(&src);
+    sleep(Duration::from_secs(10 * 3600)).await;
+    settle().await;
+    // Startup (1) + one backstop every 5 minutes (120), each followed by one claim and one
+    // next_work_at. The generation probe sits in a single change wait.
+    assert_calls!(
+        src,
+        check_ready = 1,
+        generation = 1,
+        generation_changed = 1,
+        reconcile = 121,
+        claim = 121,
+        next_work_at = 121
+    );
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.reconciles.backstop, 120);
+    let times = src.times(Op::Reconcile);
+    assert!(
+        times
+            .windows(2)
+            .all(|w| w[1] - w[0] == Duration::from_secs(300)),
+        "backstop is exact with zero jitter"
+    );
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn jitter_only_shortens_the_backstop_period() {
+    let src = ScriptedSource::new();
+    let cfg = config(&src).reconcile_jitter(Duration::from_secs(60));
+    let r = start_with(&src, cfg);
+    sleep(Duration::from_secs(3600)).await;
+    let times = src.times(Op::Reconcile);
+    assert!(times.len() >= 13, "{times:?}");
+    for w in times.windows(2) {
+        let gap = w[1] - w[0];
+        assert!(
+            gap >= Duration::from_secs(240) && gap <= Duration::from_secs(300),
+            "{gap:?}"
+        );
+    }
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outcome_unknown_reconcile_error_poisons_and_the_controller_is_gone() {
+    let src = ScriptedSource::new();
+    src.push_reconcile(Step::ok(()));
+    src.push_reconcile(Step::err("connection reset"));
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    r.handle.request_reconcile();
+    let err = r.task.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), RunErrorKind::OutcomeUnknown);
+    assert_eq!(err.operation(), Some("reconcile"));
+    assert!(err.is_outcome_unknown() && err.is_poisoned());
+    assert!(
+        err.into_controller().is_none(),
+        "a poisoned controller is never handed back"
+    );
+    let reason = r.handle.poison_reason().expect("poisoned");
+    assert!(reason.contains("connection reset"), "{reason}");
+    assert!(!r.handle.snapshot().ready);
+    assert_calls!(src, reconcile = 2, claim = 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outcome_unknown_claim_error_poisons() {
+    let src = ScriptedSource::new();
+    src.push_claim(Step::err("lost response"));
+    let r = start(&src);
+    let err = r.task.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), RunErrorKind::OutcomeUnknown);
+    assert_eq!(err.operation(), Some("claim"));
+    assert!(err.is_poisoned());
+    assert!(r.handle.is_poisoned());
+    assert_calls!(src, claim = 1, next_work_at = 0);
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_error_caused_by_cancellation_still_poisons() {
+    let src = ScriptedSource::new();
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    settle().await;
+    // The next claim is in flight for 60 s and errors when cancelled (response lost).
+    src.push_claim(Step::ok(ClaimPlan::empty()).after(Duration::from_secs(60)));
+    r.handle.waker().wake();
+    settle().await;
+    assert_calls!(src, claim = 2);
+    let err = r.stop().await.unwrap_err();
+    assert_eq!(err.kind(), RunErrorKind::OutcomeUnknown);
+    assert!(err.to_string().contains("during cancellation"), "{err}");
+    assert!(err.is_poisoned());
+    assert_eq!(src.ops_cancelled(), 1);
+    assert_eq!(src.ops_dropped(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_not_committed_error_ends_run_but_leaves_the_controller_reusable() {
+    for op in [Op::Reconcile, Op::Claim] {
+        let src = ScriptedSource::new();
+        match op {
+            Op::Reconcile => src.push_reconcile(Step::not_committed("serialization failure")),
+            _ => src.push_claim(Step::not_committed("deadlock, rolled back")),
+        };
+        let ctl = Controller::new(src.clone(), config(&src)).unwrap();
+        let handle = ctl.handle();
+        let err = ctl.run(CancellationToken::new()).await.unwrap_err();
+        assert_eq!(err.kind(), RunErrorKind::NotCommitted, "{op:?}");
+        assert_eq!(err.operation(), Some(op.name()));
+        assert!(!err.is_poisoned());
+        assert!(!handle.is_poisoned());
+        let ctl = err.into_controller().expect("reusable");
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(ctl.run(cancel.clone()));
+        assert!(handle.ready().await);
+        cancel.cancel();
+        assert!(task.await.unwrap().is_ok());
+        src.assert_snapshot_agrees(&handle.snapshot());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_error_cancels_the_others_drains_and_poisons() {
+    fail_one_attempt(AttemptPlan::failing(SEC), RunErrorKind::AttemptFailed).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_panic_cancels_the_others_drains_and_poisons() {
+    fail_one_attempt(AttemptPlan::panicking(SEC), RunErrorKind::AttemptPanicked).await;
+}
+
+async fn fail_one_attempt(bad: AttemptPlan, kind: RunErrorKind) {
+    let src = ScriptedSource::new();
+    let long = AttemptPlan::ok(Duration::from_secs(3600));
+    src.push_claim(Step::ok(ClaimPlan::done(vec![long, bad, long])));
+    let t0 = tokio::time::Instant::now();
+    let r = start(&src);
+    let err = r.task.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), kind);
+    assert!(err.is_poisoned());
+    assert_eq!(err.in_flight(), 0, "the others released within the bound");
+    assert_eq!(
+        src.attempts_released(),
+        2,
+        "the other attempts were cancelled"
+    );
+    assert_eq!(src.in_flight(), 0);
+    assert_eq!(tokio::time::Instant::now() - t0, SEC, "stopped at once");
+    assert_calls!(src, claim = 1);
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.attempts_failed, 1);
+    assert!(snap.poisoned.is_some());
+    src.assert_snapshot_agrees(&snap);
+}
+
+#[tokio::test(start_paused = true)]
+async fn graceful_drain_of_cancelled_attempts_returns_ok_and_a_reusable_controller() {
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::done(vec![
+        AttemptPlan::ok(
+            Duration::from_secs(3600)
+        );
+        3
+    ])));
+    let r = start(&src);
+    sleep(SEC).await;
+    assert_eq!(src.in_flight(), 3);
+    let handle = r.handle.clone();
+    let ctl = r.stop().await.expect("clean drain");
+    assert_eq!(src.attempts_released(), 3);
+    assert_eq!(handle.snapshot().in_flight, 0);
+    assert!(!handle.is_poisoned());
+    src.assert_snapshot_agrees(&handle.snapshot());
+    // Reusable.
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(ctl.run(cancel.clone()));
+    assert!(handle.ready().await);
+    cancel.cancel();
+    assert!(task.await.unwrap().is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_ignoring_cancellation_gives_the_in_flight_count_after_exactly_the_bound() {
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::done(vec![
+        AttemptPlan::ok(Duration::from_secs(3600)).ignoring_cancel(),
+        AttemptPlan::ok(Duration::from_secs(3600)),
+    ])));
+    let r = start(&src);
+    let handle = r.handle.clone();
+    sleep(SEC).await;
+    let stopped_at = tokio::time::Instant::now();
+    let err = r.stop().await.unwrap_err();
+    assert_eq!(
+        tokio::time::Instant::now() - stopped_at,
+        Duration::from_secs(10)
+    );
+    assert_eq!(err.kind(), RunErrorKind::ShutdownTimeout);
+    assert_eq!(err.in_flight(), 1);
+    assert!(err.is_poisoned());
+    assert_eq!(
+        src.in_flight(),
+        1,
+        "the stubborn attempt is still running, not aborted"
+    );
+    assert_eq!(handle.snapshot().in_flight, 1);
+    assert!(handle.poison_reason().unwrap().contains("1 attempt(s)"));
+    // It was never aborted: it finishes on its own.
+    sleep(Duration::from_secs(3600)).await;
+    assert_eq!(src.in_flight(), 0);
+    assert_eq!(src.attempts_finished(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_in_flight_when_cancellation_arrives_is_awaited_to_completion() {
+    let src = ScriptedSource::new();
+    let r = start_with(&src, config(&src).shutdown_timeout(Duration::from_secs(60)));
+    assert!(r.handle.ready().await);
+    settle().await;
+    // The claim commits during cancellation and returns its attempt anyway.
+    src.push_claim(
+        Step::ok(ClaimPlan::done(vec![AttemptPlan::ok(Duration::from_secs(
+            60,
+        ))]))
+        .after(Duration::from_secs(30))
+        .on_cancel(OnCancel::Ignore),
+    );
+    r.handle.waker().wake();
+    sleep(SEC).await;
+    let completed_before = src.ops_completed();
+    let cancelled_at = tokio::time::Instant::now();
+    let ctl = r
+        .stop()
+        .await
+        .expect("clean: the claimed attempt released on cancellation");
+    assert_eq!(
+        tokio::time::Instant::now() - cancelled_at,
+        Duration::from_secs(29)
+    );
+    assert_eq!(
+        src.ops_completed(),
+        completed_before + 1,
+        "the claim future completed"
+    );
+    assert_eq!(src.ops_dropped(), 0, "no Source future was dropped");
+    assert_eq!(
+        src.attempts_released(),
+        1,
+        "the late attempt ran with a cancelled token"
+    );
+    assert_calls!(src, claim = 2, next_work_at = 1);
+    src.assert_snapshot_agrees(&ctl.handle().snapshot());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_source_operation_ignoring_cancellation_past_the_bound_poisons() {
+    let src = ScriptedSource::new();
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    settle().await;
+    src.push_reconcile(
+        Step::ok(())
+            .after(Duration::from_secs(3600))
+            .on_cancel(OnCancel::Ignore),
+    );
+    r.handle.request_reconcile();
+    settle().await;
+    let err = r.stop().await.unwrap_err();
+    assert_eq!(err.kind(), RunErrorKind::ShutdownTimeout);
+    assert_eq!(err.operation(), Some("reconcile"));
+    assert_eq!(
+        src.ops_dropped(),
+        0,
+        "left running on its task, not dropped"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_run_future_poisons_and_leaves_attempts_running() {
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::done(vec![
+        AttemptPlan::ok(Duration::from_secs(60)).ignoring_cancel(),
+    ])));
+    let ctl = Controller::new(src.clone(), config(&src)).unwrap();
+    let handle = ctl.handle();
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(ctl.run(cancel));
+    sleep(SEC).await;
+    task.abort();
+    let _ = task.await;
+    assert!(handle.is_poisoned());
+    assert_eq!(src.in_flight(), 1, "the attempt was not aborted");
+    sleep(Duration::from_secs(60)).await;
+    assert_eq!(src.attempts_finished(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancellation_before_ready_stops_cleanly() {
+    let src = ScriptedSource::new();
+    src.push_check_ready(Step::ok(()).after(SEC).on_cancel(OnCancel::Finish));
+    let r = start(&src);
+    settle().await;
+    let handle = r.handle.clone();
+    assert!(r.stop().await.is_ok());
+    assert!(!handle.ready().await, "stopped before Ready");
+    assert_calls!(src, check_ready = 1, reconcile = 0, claim = 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn invalid_configs_are_rejected_with_the_setting_named() {
+    let src = ScriptedSource::new();
+    let bad = [
+        (
+            config(&src).reconcile_interval(Duration::ZERO),
+            "reconcile_interval",
+        ),
+        (
+            config(&src).reconcile_jitter(Duration::from_secs(300)),
+            "reconcile_jitter",
+        ),
+        (
+            config(&src).generation_retry(Duration::ZERO),
+            "generation_retry",
+        ),
+        (Config::new(""), "name"),
+    ];
+    for (cfg, setting) in bad {
+        let err = Controller::new(src.clone(), cfg).unwrap_err();
+        assert_eq!(err.setting(), setting);
+        assert!(err.to_string().contains(setting));
+    }
+}
