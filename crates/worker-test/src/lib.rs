@@ -9,9 +9,12 @@
 #![forbid(unsafe_code)]
 
 pub mod clock;
+pub mod matrix;
+pub mod memory;
 pub mod scripted;
 
 pub use clock::PausedClock;
+pub use matrix::{Cell, CrashContext, CrashFamily, CrashMatrix, Deadlines, Phase, Report};
 pub use nexuscrm_worker::fault::{Crash, CrashPoint, Faults};
 pub use scripted::{
     AttemptPlan, Call, ClaimPlan, Due, GenEvent, OnCancel, Op, ScriptedAttempt, ScriptedSource,

@@ -195,6 +195,7 @@ pub struct Faults {
 struct FaultState {
     hits: [AtomicU64; CrashPoint::ALL.len()],
     armed: Mutex<Armed>,
+    fired: tokio::sync::Notify,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -277,6 +278,24 @@ impl Faults {
         self.fired().is_some()
     }
 
+    /// Waits until the crash fires. On [`Faults::none`] it never resolves.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
+    pub async fn crashed(&self) -> CrashPoint {
+        let Some(s) = &self.state else {
+            return std::future::pending().await;
+        };
+        loop {
+            let notified = s.fired.notified();
+            if let Some(p) = self.fired() {
+                return p;
+            }
+            notified.await;
+        }
+    }
+
     /// Whether this is a recording hook (not [`Faults::none`]).
     #[must_use]
     pub fn is_recording(&self) -> bool {
@@ -294,6 +313,8 @@ impl FaultState {
         }
         if a.at == Some(point) {
             a.fired = Some(point);
+            drop(a);
+            self.fired.notify_waiters();
             return Err(Crash { point });
         }
         Ok(())

@@ -1,0 +1,442 @@
+//! A reference durable-critical family over an in-memory "durable" store.
+//!
+//! It shows how a family writes `new_worker`, the crash callback, restart and the recovery
+//! assertion, and it is the honest adapter the kit's self-tests run through the
+//! [`CrashMatrix`](crate::CrashMatrix). The store outlives every worker (it plays the database);
+//! a worker is a process: its controller, its attempts and its fault hook.
+//!
+//! The lifecycle has every boundary of [`CrashPoint`]: idempotent acceptance, a fenced claim
+//! with a claim token and lease, a heartbeat that detects an expired lease, an ownership (fence)
+//! check, and one transactional effect + disposition. `next_work_at` answers the earliest lease
+//! expiry, so a crashed worker's job is rescued exactly when its lease ends.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use nexuscrm_worker::fault::{CrashPoint, Faults};
+use nexuscrm_worker::{
+    Attempt, AttemptError, BoxError, ClaimBatch, Clock, Config, Controller, Declaration,
+    Durability, Effect, Source, SourceError, SystemClock,
+};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::matrix::{CrashContext, CrashFamily};
+
+/// The family's declaration.
+pub const DECLARATION: Declaration =
+    Declaration::new_const("memory", Durability::DurableCritical, Effect::Transactional);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobState {
+    Pending,
+    Running { token: u64, lease_until: Instant },
+    Done,
+}
+
+#[derive(Debug)]
+struct Job {
+    key: String,
+    state: JobState,
+    effects: u32,
+}
+
+#[derive(Debug, Default)]
+struct StoreState {
+    jobs: Vec<Job>,
+    by_key: HashMap<String, usize>,
+    owner: u64,
+    next_token: u64,
+    next_generation: u64,
+}
+
+/// The "durable" store: it survives every worker.
+#[derive(Debug)]
+pub struct MemoryStore {
+    state: Mutex<StoreState>,
+    lease: Duration,
+    changed: Notify,
+}
+
+impl MemoryStore {
+    /// An empty store whose claims lease jobs for `lease`.
+    #[must_use]
+    pub fn new(lease: Duration) -> Self {
+        MemoryStore {
+            state: Mutex::default(),
+            lease,
+            changed: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, StoreState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `(key, done, effects applied)` for every accepted job.
+    #[must_use]
+    pub fn jobs(&self) -> Vec<(String, bool, u32)> {
+        self.lock()
+            .jobs
+            .iter()
+            .map(|j| (j.key.clone(), j.state == JobState::Done, j.effects))
+            .collect()
+    }
+
+    /// Waits until every accepted job is done and at least `n` were accepted.
+    pub async fn wait_all_done(&self, n: usize) {
+        loop {
+            let notified = self.changed.notified();
+            {
+                let s = self.lock();
+                if s.jobs.len() >= n && s.jobs.iter().all(|j| j.state == JobState::Done) {
+                    return;
+                }
+            }
+            notified.await;
+        }
+    }
+}
+
+/// One worker process over a [`MemoryStore`].
+#[derive(Debug)]
+pub struct MemoryWorker {
+    store: Arc<MemoryStore>,
+    faults: Faults,
+    generation: u64,
+}
+
+impl MemoryWorker {
+    /// Builds a worker with the next deployment generation.
+    #[must_use]
+    pub fn new(store: &Arc<MemoryStore>, faults: Faults) -> Self {
+        let generation = {
+            let mut s = store.lock();
+            s.next_generation += 1;
+            s.next_generation
+        };
+        MemoryWorker {
+            store: store.clone(),
+            faults,
+            generation,
+        }
+    }
+
+    /// The store this worker is bound to.
+    #[must_use]
+    pub fn store(&self) -> &Arc<MemoryStore> {
+        &self.store
+    }
+
+    /// Takes ownership of the family for this worker's generation; an older generation can
+    /// never take it back.
+    ///
+    /// # Errors
+    ///
+    /// A newer generation owns the family, or an injected crash.
+    pub fn take_ownership(&self) -> Result<(), BoxError> {
+        self.faults.hit(CrashPoint::OwnershipTransfer)?;
+        let mut s = self.store.lock();
+        if s.owner > self.generation {
+            return Err(format!(
+                "generation {} cannot take ownership back from {}",
+                self.generation, s.owner
+            )
+            .into());
+        }
+        s.owner = self.generation;
+        Ok(())
+    }
+
+    /// Accepts a job idempotently; returns after "commit".
+    ///
+    /// # Errors
+    ///
+    /// An injected crash.
+    pub fn submit(&self, key: &str) -> Result<(), BoxError> {
+        self.faults.hit(CrashPoint::BeforeAcceptance)?;
+        {
+            let mut s = self.store.lock();
+            if !s.by_key.contains_key(key) {
+                let idx = s.jobs.len();
+                s.jobs.push(Job {
+                    key: key.to_owned(),
+                    state: JobState::Pending,
+                    effects: 0,
+                });
+                s.by_key.insert(key.to_owned(), idx);
+            }
+        }
+        self.faults.hit(CrashPoint::AfterAcceptance)?;
+        Ok(())
+    }
+
+    /// A controller over this worker.
+    ///
+    /// # Errors
+    ///
+    /// Never with the built-in config.
+    pub fn controller(self: &Arc<Self>) -> Result<Controller<MemorySource>, BoxError> {
+        let config = Config::new("memory")
+            .capacity(NonZeroUsize::new(2).expect("2"))
+            .shutdown_timeout(Duration::from_secs(5));
+        Ok(Controller::new(
+            MemorySource {
+                worker: self.clone(),
+            },
+            config,
+        )?)
+    }
+}
+
+/// The family's [`Source`].
+#[derive(Debug)]
+pub struct MemorySource {
+    worker: Arc<MemoryWorker>,
+}
+
+fn crash_source(e: impl Into<BoxError>) -> SourceError {
+    SourceError::new(e)
+}
+
+impl Source for MemorySource {
+    type Attempt = MemoryAttempt;
+
+    async fn check_ready(&self, _: CancellationToken) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    async fn reconcile(&self, _: CancellationToken) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    async fn claim(
+        &self,
+        capacity: NonZeroUsize,
+        _: CancellationToken,
+    ) -> Result<ClaimBatch<MemoryAttempt>, SourceError> {
+        let w = &self.worker;
+        let now = Instant::now();
+        let mut claimed = Vec::new();
+        {
+            let mut s = w.store.lock();
+            if s.owner != w.generation {
+                // Fenced out: claims nothing.
+                return Ok(ClaimBatch::empty());
+            }
+            let lease = w.store.lease;
+            for i in 0..s.jobs.len() {
+                if claimed.len() == capacity.get() {
+                    break;
+                }
+                let eligible = match s.jobs[i].state {
+                    JobState::Pending => true,
+                    JobState::Running { lease_until, .. } => lease_until <= now,
+                    JobState::Done => false,
+                };
+                if eligible {
+                    s.next_token += 1;
+                    let token = s.next_token;
+                    s.jobs[i].state = JobState::Running {
+                        token,
+                        lease_until: now + lease,
+                    };
+                    claimed.push(MemoryAttempt {
+                        worker: w.clone(),
+                        idx: i,
+                        token,
+                    });
+                }
+            }
+        }
+        // The claim "committed"; a crash here leaves leased jobs behind.
+        w.faults.hit(CrashPoint::AfterClaim).map_err(crash_source)?;
+        Ok(if claimed.len() == capacity.get() {
+            ClaimBatch::more(claimed)
+        } else {
+            ClaimBatch::done(claimed)
+        })
+    }
+
+    async fn next_work_at(&self, _: CancellationToken) -> Result<Option<SystemTime>, SourceError> {
+        let s = self.worker.store.lock();
+        let now = Instant::now();
+        let earliest = s
+            .jobs
+            .iter()
+            .filter_map(|j| match j.state {
+                JobState::Running { lease_until, .. } => Some(lease_until),
+                _ => None,
+            })
+            .min();
+        Ok(earliest.map(|at| SystemClock.now() + at.saturating_duration_since(now)))
+    }
+}
+
+/// One claimed job.
+#[derive(Debug)]
+pub struct MemoryAttempt {
+    worker: Arc<MemoryWorker>,
+    idx: usize,
+    token: u64,
+}
+
+impl MemoryAttempt {
+    fn holds_lease(&self, s: &StoreState) -> bool {
+        matches!(
+            s.jobs[self.idx].state,
+            JobState::Running { token, lease_until } if token == self.token && lease_until > Instant::now()
+        )
+    }
+}
+
+impl Attempt for MemoryAttempt {
+    async fn run(self, _cancel: CancellationToken) -> Result<(), AttemptError> {
+        let w = &self.worker;
+        let f = &w.faults;
+        f.hit(CrashPoint::BeforeEffect).map_err(AttemptError::new)?;
+        // Heartbeat: extend the lease only while we still hold it.
+        f.hit(CrashPoint::DuringHeartbeat)
+            .map_err(AttemptError::new)?;
+        {
+            let mut s = w.store.lock();
+            let held = self.holds_lease(&s);
+            drop(s);
+            f.hit(CrashPoint::LeaseExpiry).map_err(AttemptError::new)?;
+            if !held {
+                return Ok(()); // Lost the lease: the new holder owns the job.
+            }
+            s = w.store.lock();
+            let lease = w.store.lease;
+            s.jobs[self.idx].state = JobState::Running {
+                token: self.token,
+                lease_until: Instant::now() + lease,
+            };
+        }
+        f.hit(CrashPoint::BeforeDisposition)
+            .map_err(AttemptError::new)?;
+        {
+            // Effect and disposition in one "transaction", fenced by token and generation.
+            let mut s = w.store.lock();
+            if s.owner != w.generation || !self.holds_lease(&s) {
+                return Ok(());
+            }
+            s.jobs[self.idx].effects += 1;
+            s.jobs[self.idx].state = JobState::Done;
+        }
+        w.store.changed.notify_waiters();
+        f.hit(CrashPoint::AfterEffect).map_err(AttemptError::new)?;
+        f.hit(CrashPoint::AfterDisposition)
+            .map_err(AttemptError::new)?;
+        Ok(())
+    }
+}
+
+/// The job keys every cell submits.
+pub const KEYS: [&str; 3] = ["job-a", "job-b", "job-c"];
+
+/// The reference [`CrashFamily`].
+#[derive(Debug, Clone)]
+pub struct MemoryFamily {
+    lease: Duration,
+}
+
+impl Default for MemoryFamily {
+    fn default() -> Self {
+        MemoryFamily {
+            lease: Duration::from_millis(200),
+        }
+    }
+}
+
+impl MemoryFamily {
+    /// Submits every key and drains with a controller until all are done.
+    async fn drive(worker: Arc<MemoryWorker>, ctx: CrashContext) -> Result<(), BoxError> {
+        worker.take_ownership()?;
+        for key in KEYS {
+            worker.submit(key)?;
+        }
+        let controller = worker.controller()?;
+        let cancel = ctx.cancel().child_token();
+        let run = ctx.spawn(controller.run(cancel.clone()));
+        worker.store.wait_all_done(KEYS.len()).await;
+        cancel.cancel();
+        match run.await? {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string().into()),
+        }
+    }
+}
+
+impl CrashFamily for MemoryFamily {
+    type Fixture = MemoryStore;
+    type Worker = MemoryWorker;
+
+    fn label(&self) -> String {
+        "memory/in-process".into()
+    }
+
+    fn declaration(&self) -> Declaration {
+        DECLARATION
+    }
+
+    async fn fixture(&self) -> Result<MemoryStore, BoxError> {
+        Ok(MemoryStore::new(self.lease))
+    }
+
+    async fn new_worker(
+        &self,
+        fixture: &Arc<MemoryStore>,
+        faults: Faults,
+    ) -> Result<Arc<MemoryWorker>, BoxError> {
+        Ok(Arc::new(MemoryWorker::new(fixture, faults)))
+    }
+
+    fn worker_fixture<'a>(&self, worker: &'a MemoryWorker) -> &'a Arc<MemoryStore> {
+        worker.store()
+    }
+
+    async fn crash(
+        &self,
+        _point: CrashPoint,
+        worker: Arc<MemoryWorker>,
+        ctx: CrashContext,
+    ) -> Result<(), BoxError> {
+        MemoryFamily::drive(worker, ctx).await
+    }
+
+    async fn restart(
+        &self,
+        _point: CrashPoint,
+        worker: Arc<MemoryWorker>,
+        ctx: CrashContext,
+    ) -> Result<(), BoxError> {
+        // A new deployment generation restarts, re-submits what the producer never saw
+        // acknowledged (idempotently), and drains.
+        MemoryFamily::drive(worker, ctx).await
+    }
+
+    async fn recover(&self, point: CrashPoint, fixture: Arc<MemoryStore>) -> Result<(), BoxError> {
+        let jobs = fixture.jobs();
+        if jobs.len() != KEYS.len() {
+            return Err(format!(
+                "after {point}: {} jobs accepted, want {}",
+                jobs.len(),
+                KEYS.len()
+            )
+            .into());
+        }
+        for (key, done, effects) in jobs {
+            if !done {
+                return Err(format!("after {point}: {key} is not terminal").into());
+            }
+            if effects != 1 {
+                return Err(format!("after {point}: {key} applied {effects} times").into());
+            }
+        }
+        Ok(())
+    }
+}
