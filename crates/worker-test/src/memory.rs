@@ -12,15 +12,16 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{
     Attempt, AttemptError, BoxError, ClaimBatch, Clock, Config, Controller, Declaration,
-    Durability, Effect, Source, SourceError, SystemClock,
+    Durability, Effect, Generation, Source, SourceError, SystemClock,
 };
-use tokio::sync::Notify;
+use tokio::sync::{Notify, OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -42,6 +43,7 @@ struct Job {
     key: String,
     state: JobState,
     effects: u32,
+    run_at: Instant,
 }
 
 #[derive(Debug, Default)]
@@ -59,6 +61,10 @@ pub struct MemoryStore {
     state: Mutex<StoreState>,
     lease: Duration,
     changed: Notify,
+    gate: Arc<RwLock<()>>,
+    generation: AtomicU64,
+    generation_broken: AtomicBool,
+    generation_notify: Notify,
 }
 
 impl MemoryStore {
@@ -69,6 +75,51 @@ impl MemoryStore {
             state: Mutex::default(),
             lease,
             changed: Notify::new(),
+            gate: Arc::new(RwLock::new(())),
+            generation: AtomicU64::new(0),
+            generation_broken: AtomicBool::new(false),
+            generation_notify: Notify::new(),
+        }
+    }
+
+    /// Blocks every Source operation until the guard is dropped (like a table lock held by
+    /// another connection).
+    pub async fn block(&self) -> OwnedRwLockWriteGuard<()> {
+        self.gate.clone().write_owned().await
+    }
+
+    /// Bumps the generation cursor, as a producer in another process would.
+    pub fn bump_generation(&self) {
+        self.generation.fetch_add(1, SeqCst);
+        self.generation_notify.notify_waiters();
+    }
+
+    /// Makes the next generation wait fail (a lost LISTEN connection).
+    pub fn break_generation(&self) {
+        self.generation_broken.store(true, SeqCst);
+        self.generation_notify.notify_waiters();
+    }
+
+    /// Jobs that reached their terminal state.
+    #[must_use]
+    pub fn completed(&self) -> u64 {
+        self.lock()
+            .jobs
+            .iter()
+            .filter(|j| j.state == JobState::Done)
+            .count() as u64
+    }
+
+    async fn enter(
+        &self,
+        cancel: &CancellationToken,
+    ) -> Result<OwnedRwLockReadGuard<()>, SourceError> {
+        tokio::select! {
+            biased;
+            g = self.gate.clone().read_owned() => Ok(g),
+            () = cancel.cancelled() => Err(SourceError::not_committed(
+                "cancelled while waiting for the store; nothing was written",
+            )),
         }
     }
 
@@ -157,6 +208,15 @@ impl MemoryWorker {
     ///
     /// An injected crash.
     pub fn submit(&self, key: &str) -> Result<(), BoxError> {
+        self.submit_at(key, Instant::now())
+    }
+
+    /// Accepts a job that becomes eligible at `run_at`, idempotently.
+    ///
+    /// # Errors
+    ///
+    /// An injected crash.
+    pub fn submit_at(&self, key: &str, run_at: Instant) -> Result<(), BoxError> {
         self.faults.hit(CrashPoint::BeforeAcceptance)?;
         {
             let mut s = self.store.lock();
@@ -166,6 +226,7 @@ impl MemoryWorker {
                     key: key.to_owned(),
                     state: JobState::Pending,
                     effects: 0,
+                    run_at,
                 });
                 s.by_key.insert(key.to_owned(), idx);
             }
@@ -205,19 +266,20 @@ fn crash_source(e: impl Into<BoxError>) -> SourceError {
 impl Source for MemorySource {
     type Attempt = MemoryAttempt;
 
-    async fn check_ready(&self, _: CancellationToken) -> Result<(), SourceError> {
-        Ok(())
+    async fn check_ready(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+        self.worker.store.enter(&cancel).await.map(drop)
     }
 
-    async fn reconcile(&self, _: CancellationToken) -> Result<(), SourceError> {
-        Ok(())
+    async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+        self.worker.store.enter(&cancel).await.map(drop)
     }
 
     async fn claim(
         &self,
         capacity: NonZeroUsize,
-        _: CancellationToken,
+        cancel: CancellationToken,
     ) -> Result<ClaimBatch<MemoryAttempt>, SourceError> {
+        let _gate = self.worker.store.enter(&cancel).await?;
         let w = &self.worker;
         let now = Instant::now();
         let mut claimed = Vec::new();
@@ -233,7 +295,7 @@ impl Source for MemorySource {
                     break;
                 }
                 let eligible = match s.jobs[i].state {
-                    JobState::Pending => true,
+                    JobState::Pending => s.jobs[i].run_at <= now,
                     JobState::Running { lease_until, .. } => lease_until <= now,
                     JobState::Done => false,
                 };
@@ -261,18 +323,54 @@ impl Source for MemorySource {
         })
     }
 
-    async fn next_work_at(&self, _: CancellationToken) -> Result<Option<SystemTime>, SourceError> {
+    async fn next_work_at(
+        &self,
+        cancel: CancellationToken,
+    ) -> Result<Option<SystemTime>, SourceError> {
+        let _gate = self.worker.store.enter(&cancel).await?;
         let s = self.worker.store.lock();
         let now = Instant::now();
+        // The earliest future run_at of a pending job, or lease expiry of a running one.
         let earliest = s
             .jobs
             .iter()
             .filter_map(|j| match j.state {
                 JobState::Running { lease_until, .. } => Some(lease_until),
-                _ => None,
+                JobState::Pending => Some(j.run_at),
+                JobState::Done => None,
             })
             .min();
         Ok(earliest.map(|at| SystemClock.now() + at.saturating_duration_since(now)))
+    }
+
+    async fn generation(&self, _: CancellationToken) -> Result<Option<Generation>, SourceError> {
+        let store = &self.worker.store;
+        if store.generation_broken.swap(false, SeqCst) {
+            return Err(SourceError::new("generation read failed"));
+        }
+        Ok(Some(Generation(store.generation.load(SeqCst))))
+    }
+
+    async fn generation_changed(
+        &self,
+        seen: Generation,
+        cancel: CancellationToken,
+    ) -> Result<Generation, SourceError> {
+        let store = &self.worker.store;
+        loop {
+            let notified = store.generation_notify.notified();
+            if store.generation_broken.swap(false, SeqCst) {
+                return Err(SourceError::new("generation probe connection lost"));
+            }
+            let now = Generation(store.generation.load(SeqCst));
+            if now != seen {
+                return Ok(now);
+            }
+            tokio::select! {
+                () = notified => {}
+                () = cancel.cancelled() => return Ok(seen),
+            }
+        }
     }
 }
 
@@ -438,5 +536,60 @@ impl CrashFamily for MemoryFamily {
             }
         }
         Ok(())
+    }
+}
+
+/// The memory family as a [`ScenarioAdapter`](crate::scenarios::ScenarioAdapter): every
+/// conformance scenario runs against it in the kit's own tests.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryScenarios;
+
+impl crate::scenarios::ScenarioAdapter for MemoryScenarios {
+    type Source = MemorySource;
+
+    fn label(&self) -> String {
+        "memory".into()
+    }
+
+    async fn source(&self) -> Result<MemorySource, BoxError> {
+        let store = Arc::new(MemoryStore::new(Duration::from_secs(30)));
+        let worker = Arc::new(MemoryWorker::new(&store, Faults::none()));
+        worker.take_ownership()?;
+        Ok(MemorySource { worker })
+    }
+
+    async fn submit(&self, source: &MemorySource, n: usize) -> Result<(), BoxError> {
+        for _ in 0..n {
+            let key = format!("item-{}", source.worker.store.lock().jobs.len());
+            source.worker.submit(&key)?;
+        }
+        Ok(())
+    }
+
+    async fn submit_due(&self, source: &MemorySource, at: SystemTime) -> Result<(), BoxError> {
+        let wait = at.duration_since(SystemClock.now()).unwrap_or_default();
+        let key = format!("due-{}", source.worker.store.lock().jobs.len());
+        source.worker.submit_at(&key, Instant::now() + wait)
+    }
+
+    async fn completed(&self, source: &MemorySource) -> Result<u64, BoxError> {
+        Ok(source.worker.store.completed())
+    }
+
+    async fn block(
+        &self,
+        source: &MemorySource,
+    ) -> Result<Box<dyn std::any::Any + Send>, BoxError> {
+        Ok(Box::new(source.worker.store.block().await))
+    }
+
+    async fn bump_generation(&self, source: &MemorySource) -> Result<bool, BoxError> {
+        source.worker.store.bump_generation();
+        Ok(true)
+    }
+
+    async fn break_generation(&self, source: &MemorySource) -> Result<bool, BoxError> {
+        source.worker.store.break_generation();
+        Ok(true)
     }
 }

@@ -141,6 +141,12 @@ impl Config {
         self.reconcile_interval
     }
 
+    /// The configured wall clock.
+    #[must_use]
+    pub fn get_clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
     /// The configured shutdown bound.
     #[must_use]
     pub fn get_shutdown_timeout(&self) -> Duration {

@@ -561,7 +561,8 @@ impl<S: Source> Run<S> {
     /// A `reconcile` or `claim` error: not-committed stops reusably, anything else poisons.
     fn mutating_error(&mut self, op: &'static str, error: SourceError) {
         if error.is_not_committed() {
-            if self.reusable.is_none() && self.failure.is_none() {
+            // Interrupted by our own stop with nothing committed: a clean stop, not an error.
+            if !self.stop.is_cancelled() && self.reusable.is_none() && self.failure.is_none() {
                 self.reusable = Some((RunErrorKind::NotCommitted, op, error));
             }
             self.begin_stop();
@@ -646,7 +647,10 @@ impl<S: Source> Run<S> {
         match self.op(async move { src.check_ready(token).await }).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
-                self.reusable = Some((RunErrorKind::NotReady, "check_ready", e));
+                // Read-only: an error caused by our own cancellation is a clean stop.
+                if !self.stop.is_cancelled() {
+                    self.reusable = Some((RunErrorKind::NotReady, "check_ready", e));
+                }
                 return;
             }
             Err(f) => return self.fail_op("check_ready", f),

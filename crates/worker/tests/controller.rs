@@ -640,6 +640,28 @@ async fn a_not_committed_error_ends_run_but_leaves_the_controller_reusable() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_not_committed_error_caused_by_our_own_cancellation_is_a_clean_stop() {
+    let src = ScriptedSource::new();
+    let r = start(&src);
+    assert!(r.handle.ready().await);
+    settle().await;
+    src.push_claim(
+        Step::not_committed("interrupted before commit")
+            .after(Duration::from_secs(60))
+            .on_cancel(OnCancel::Finish),
+    );
+    r.handle.waker().wake();
+    settle().await;
+    let handle = r.handle.clone();
+    assert!(
+        r.stop().await.is_ok(),
+        "nothing committed and we were stopping anyway"
+    );
+    assert!(!handle.is_poisoned());
+    assert_calls!(src, claim = 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_attempt_error_cancels_the_others_drains_and_poisons() {
     fail_one_attempt(AttemptPlan::failing(SEC), RunErrorKind::AttemptFailed).await;
 }

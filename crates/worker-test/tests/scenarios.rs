@@ -1,0 +1,15 @@
+//! The conformance scenarios pass against the kit's reference memory family.
+
+use nexuscrm_worker_test::memory::MemoryScenarios;
+use nexuscrm_worker_test::scenarios;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_conformance_scenario_passes_against_the_memory_family() {
+    let report = scenarios::run_all(&MemoryScenarios).await;
+    println!("{report}");
+    report.assert_passed();
+    assert!(
+        report.results.iter().all(|r| matches!(r.outcome, Ok(None))),
+        "the memory family supports every scenario:\n{report}"
+    );
+}
