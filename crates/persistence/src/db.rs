@@ -1,0 +1,243 @@
+//! Opening a database from a URL.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
+use sqlx::pool::PoolConnection;
+use sqlx::{Any, AnyPool, ConnectOptions, Executor};
+
+use crate::error::DbError;
+
+/// The SQL dialect of a database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dialect {
+    /// Embedded SQLite (the default).
+    Sqlite,
+    /// PostgreSQL.
+    Postgres,
+    /// The MySQL dialect: MariaDB or MySQL here, TiDB in production.
+    Mysql,
+}
+
+impl Dialect {
+    /// The folder name of this dialect's SQL files: `sqlite`, `postgres`, `mysql`.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "sqlite",
+            Dialect::Postgres => "postgres",
+            Dialect::Mysql => "mysql",
+        }
+    }
+}
+
+impl fmt::Display for Dialect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Pool settings. Defaults: 8 connections, 10 s acquire timeout, 5 s SQLite busy timeout.
+#[derive(Debug, Clone)]
+pub struct DbOptions {
+    max_connections: u32,
+    acquire_timeout: Duration,
+    busy_timeout: Duration,
+}
+
+impl Default for DbOptions {
+    fn default() -> Self {
+        DbOptions {
+            max_connections: 8,
+            acquire_timeout: Duration::from_secs(10),
+            busy_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl DbOptions {
+    /// Maximum pool connections. By default 8.
+    #[must_use]
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    /// How long to wait for a pooled connection. By default 10 seconds.
+    #[must_use]
+    pub fn acquire_timeout(mut self, d: Duration) -> Self {
+        self.acquire_timeout = d;
+        self
+    }
+
+    /// SQLite's busy timeout: how long a writer waits for the single write lock. By default 5
+    /// seconds.
+    #[must_use]
+    pub fn busy_timeout(mut self, d: Duration) -> Self {
+        self.busy_timeout = d;
+        self
+    }
+}
+
+/// A database handle: one pool, its dialect, and whether it is TiDB.
+///
+/// Every family runs its own per-dialect SQL through it (see [`Queries`](crate::Queries)).
+#[derive(Clone)]
+pub struct Db {
+    pool: AnyPool,
+    dialect: Dialect,
+    tidb: bool,
+    url_redacted: String,
+}
+
+impl fmt::Debug for Db {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Db")
+            .field("url", &self.url_redacted)
+            .field("dialect", &self.dialect)
+            .field("tidb", &self.tidb)
+            .finish()
+    }
+}
+
+fn redact(url: &str) -> String {
+    // Hide a password in `scheme://user:password@host`.
+    if let Some((scheme, rest)) = url.split_once("://")
+        && let Some((creds, host)) = rest.split_once('@')
+        && let Some((user, _)) = creds.split_once(':')
+    {
+        return format!("{scheme}://{user}:***@{host}");
+    }
+    url.to_owned()
+}
+
+impl Db {
+    /// Opens `url` with default options.
+    ///
+    /// `sqlite://path/to/file.db` (created if missing; WAL, busy timeout), `postgres://…`, or
+    /// `mysql://…` (MariaDB, MySQL, TiDB).
+    ///
+    /// # Errors
+    ///
+    /// A malformed or unsupported URL, or an unreachable server, with the URL (password hidden)
+    /// in the message.
+    pub async fn connect(url: &str) -> Result<Db, DbError> {
+        Db::connect_with(url, DbOptions::default()).await
+    }
+
+    /// Opens `url` with `options`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Db::connect`].
+    pub async fn connect_with(url: &str, options: DbOptions) -> Result<Db, DbError> {
+        sqlx::any::install_default_drivers();
+        let shown = redact(url);
+        let dialect = if url.starts_with("sqlite:") {
+            Dialect::Sqlite
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Dialect::Postgres
+        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            Dialect::Mysql
+        } else {
+            return Err(DbError::config(format!(
+                "unsupported database URL {shown:?}: expected sqlite://FILE, postgres://… or mysql://…"
+            )));
+        };
+        let url = if let Some(rest) = url.strip_prefix("mariadb://") {
+            format!("mysql://{rest}")
+        } else if dialect == Dialect::Sqlite && !url.contains("mode=") {
+            let sep = if url.contains('?') { '&' } else { '?' };
+            format!("{url}{sep}mode=rwc")
+        } else {
+            url.to_owned()
+        };
+        let connect_options = AnyConnectOptions::from_str(&url)
+            .map_err(|e| DbError::config(format!("invalid database URL {shown:?}: {e}")))?
+            .disable_statement_logging();
+        let busy_ms = options.busy_timeout.as_millis();
+        let pool = AnyPoolOptions::new()
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.acquire_timeout)
+            .after_connect(move |conn, _meta| {
+                Box::pin(async move {
+                    match dialect {
+                        Dialect::Sqlite => {
+                            conn.execute("PRAGMA journal_mode = WAL").await?;
+                            conn.execute(format!("PRAGMA busy_timeout = {busy_ms}").as_str())
+                                .await?;
+                            conn.execute("PRAGMA foreign_keys = ON").await?;
+                            conn.execute("PRAGMA synchronous = NORMAL").await?;
+                        }
+                        Dialect::Mysql => {
+                            conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                                .await?;
+                        }
+                        Dialect::Postgres => {}
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(connect_options)
+            .await
+            .map_err(|e| DbError::unavailable(format!("cannot open database {shown}: {e}")))?;
+        let tidb = if dialect == Dialect::Mysql {
+            let version: String = sqlx::query_scalar("SELECT VERSION()")
+                .fetch_one(&pool)
+                .await
+                .map_err(|e| DbError::unavailable(format!("cannot read server version: {e}")))?;
+            is_tidb_version(&version)
+        } else {
+            false
+        };
+        Ok(Db {
+            pool,
+            dialect,
+            tidb,
+            url_redacted: shown,
+        })
+    }
+
+    /// The dialect.
+    #[must_use]
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// Whether the server is TiDB (its version string contains `TiDB`). TiDB parses
+    /// `SKIP LOCKED` and `RETURNING` but ignores them, so the MySQL-dialect SQL never relies on
+    /// them.
+    #[must_use]
+    pub fn is_tidb(&self) -> bool {
+        self.tidb
+    }
+
+    /// The pool, for reads.
+    #[must_use]
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// The URL with any password hidden.
+    #[must_use]
+    pub fn url(&self) -> &str {
+        &self.url_redacted
+    }
+
+    pub(crate) async fn acquire(&self) -> Result<PoolConnection<Any>, sqlx::Error> {
+        self.pool.acquire().await
+    }
+
+    /// Closes the pool.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// Whether a `SELECT VERSION()` string is TiDB's (e.g. `8.0.11-TiDB-v7.5.0`).
+#[must_use]
+pub fn is_tidb_version(version: &str) -> bool {
+    version.contains("TiDB")
+}

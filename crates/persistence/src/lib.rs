@@ -1,0 +1,58 @@
+//! `nexuscrm-persistence`: database handles, migrations, and the runtime work ownership
+//! authority that every NexusCRM work family builds on.
+//!
+//! - [`Db`]: one sqlx pool opened from a URL (`sqlite://…`, the embedded default; `postgres://…`;
+//!   `mysql://…` for MariaDB, MySQL or TiDB), its [`Dialect`], and TiDB detection.
+//! - [`Queries`] / [`DialectQueries`]: a family's named statements from its per-dialect `.sql`
+//!   files. Families own their SQL; nothing here is templated.
+//! - [`Migration`] and [`Db::migrate`]: versioned migrations per component, refusing a schema
+//!   newer than the code.
+//! - [`Db::write`] / [`WriteTx`]: write transactions that are safe under cancellation and say
+//!   whether anything may have committed ([`WriteError`]).
+//! - [`Db::take_ownership`] and [`Fence`]: which deployment generation may claim or commit a
+//!   family, checked inside the same transaction as every claim and commit.
+//!
+//! The handle is a `sqlx::AnyPool` with per-dialect SQL text rather than an enum of three typed
+//! pools: one Rust code path per statement, the dialect's own SQL file per statement.
+
+#![forbid(unsafe_code)]
+
+mod db;
+mod error;
+mod migrate;
+mod ownership;
+mod queries;
+mod tx;
+
+#[cfg(feature = "test-support")]
+pub mod testing;
+
+use std::sync::OnceLock;
+
+pub use db::{Db, DbOptions, Dialect, is_tidb_version};
+pub use error::{DbError, DbErrorKind};
+pub use migrate::Migration;
+pub use ownership::Fence;
+pub use queries::{DialectQueries, Queries};
+pub use sqlx;
+pub use tx::{TxFuture, WriteError, WriteTx};
+
+/// The ownership authority's own migrations.
+pub const OWNERSHIP_MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "ownership and fence",
+    sqlite: include_str!("../sql/sqlite/0001_ownership.sql"),
+    postgres: include_str!("../sql/postgres/0001_ownership.sql"),
+    mysql: include_str!("../sql/mysql/0001_ownership.sql"),
+}];
+
+fn queries() -> &'static DialectQueries {
+    static Q: OnceLock<DialectQueries> = OnceLock::new();
+    Q.get_or_init(|| {
+        DialectQueries::new(
+            include_str!("../sql/sqlite/queries.sql"),
+            include_str!("../sql/postgres/queries.sql"),
+            include_str!("../sql/mysql/queries.sql"),
+        )
+    })
+}

@@ -1,0 +1,188 @@
+//! Runtime work ownership and the fence: which deployment generation may claim or commit.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sqlx::{AnyConnection, Row};
+
+use crate::db::{Db, Dialect};
+use crate::error::{DbError, DbErrorKind};
+use crate::queries;
+
+/// A family's fence for one deployment generation.
+///
+/// Every claim and every disposition commit calls [`Fence::holds`] inside its own transaction,
+/// so a fenced-out generation can neither claim nor commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    family: String,
+    generation: i64,
+}
+
+impl Fence {
+    /// The fence of `family` for `generation` (not checked until [`Fence::holds`]).
+    #[must_use]
+    pub fn new(family: impl Into<String>, generation: i64) -> Self {
+        Fence {
+            family: family.into(),
+            generation,
+        }
+    }
+
+    /// The family.
+    #[must_use]
+    pub fn family(&self) -> &str {
+        &self.family
+    }
+
+    /// The deployment generation.
+    #[must_use]
+    pub fn generation(&self) -> i64 {
+        self.generation
+    }
+
+    /// Inside the caller's write transaction: whether this generation still owns the family.
+    /// Takes a shared lock on the fence row (PostgreSQL `FOR SHARE`, MariaDB `LOCK IN SHARE
+    /// MODE`, TiDB `FOR UPDATE`; SQLite's `BEGIN IMMEDIATE` already serializes writers), so a
+    /// takeover cannot commit between this check and the caller's commit.
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn holds(&self, conn: &mut AnyConnection, db: &Db) -> Result<bool, sqlx::Error> {
+        let q = queries().for_dialect(db.dialect());
+        let stmt = if db.is_tidb() {
+            q.get("fence_read_tidb")
+        } else {
+            q.get("fence_read")
+        };
+        let row = sqlx::query(stmt)
+            .bind(&self.family)
+            .fetch_optional(&mut *conn)
+            .await?;
+        Ok(match row {
+            Some(r) => r.try_get::<i64, _>(0)? == self.generation,
+            None => false,
+        })
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+impl Db {
+    /// Takes ownership of `family` for `generation` in one transaction; the same generation
+    /// taking it again is a no-op. A newer generation fences out every older one at once: their
+    /// next claim or commit fails the fence check.
+    ///
+    /// # Errors
+    ///
+    /// [`DbErrorKind::Superseded`] when a newer generation already owns the family (an older
+    /// generation can never take ownership back); a database error otherwise.
+    pub async fn take_ownership(
+        &self,
+        family: &str,
+        generation: i64,
+        owner: &str,
+    ) -> Result<Fence, DbError> {
+        if generation < 1 {
+            return Err(DbError::config(format!(
+                "deployment generation must be at least 1, got {generation}"
+            )));
+        }
+        let q = queries().for_dialect(self.dialect());
+        let mut tx = self
+            .begin_write()
+            .await
+            .map_err(|e| DbError::sql("taking ownership", e))?;
+        let current = sqlx::query(q.get("ownership_read"))
+            .bind(family)
+            .fetch_optional(tx.conn())
+            .await
+            .map_err(|e| DbError::sql("reading ownership", e))?
+            .map(|r| r.try_get::<i64, _>(0))
+            .transpose()
+            .map_err(|e| DbError::sql("decoding ownership", e))?;
+        let now = now_ms();
+        let result: Result<(), sqlx::Error> = async {
+            match current {
+                None => {
+                    sqlx::query(q.get("ownership_insert"))
+                        .bind(family)
+                        .bind(generation)
+                        .bind(owner)
+                        .bind(now)
+                        .execute(tx.conn())
+                        .await?;
+                    sqlx::query(q.get("fence_insert"))
+                        .bind(family)
+                        .bind(generation)
+                        .execute(tx.conn())
+                        .await?;
+                }
+                Some(g) if g < generation => {
+                    sqlx::query(q.get("ownership_update"))
+                        .bind(generation)
+                        .bind(owner)
+                        .bind(now)
+                        .bind(family)
+                        .bind(generation)
+                        .execute(tx.conn())
+                        .await?;
+                    sqlx::query(q.get("fence_update"))
+                        .bind(generation)
+                        .bind(family)
+                        .bind(generation)
+                        .execute(tx.conn())
+                        .await?;
+                }
+                Some(_) => {}
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            tx.rollback().await;
+            return Err(DbError::sql("taking ownership", e));
+        }
+        if let Some(g) = current
+            && g > generation
+        {
+            tx.rollback().await;
+            return Err(DbError::new(
+                DbErrorKind::Superseded,
+                format!(
+                    "family `{family}` is owned by generation {g}; generation {generation} can \
+                     never take it back"
+                ),
+            ));
+        }
+        tx.commit()
+            .await
+            .map_err(|e| DbError::sql("committing ownership (outcome unknown)", e))?;
+        Ok(Fence::new(family, generation))
+    }
+
+    /// The generation that owns `family`, if any.
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn owner_generation(&self, family: &str) -> Result<Option<i64>, DbError> {
+        let stmt = match self.dialect() {
+            Dialect::Postgres => "SELECT generation FROM runtime_work_fence WHERE family = $1",
+            _ => "SELECT generation FROM runtime_work_fence WHERE family = ?",
+        };
+        sqlx::query(stmt)
+            .bind(family)
+            .fetch_optional(self.pool())
+            .await
+            .map_err(|e| DbError::sql("reading the fence", e))?
+            .map(|r| r.try_get::<i64, _>(0))
+            .transpose()
+            .map_err(|e| DbError::sql("decoding the fence", e))
+    }
+}

@@ -1,0 +1,168 @@
+//! Test support: an isolated database per test (feature `test-support`).
+//!
+//! SQLite gets its own file; PostgreSQL and MariaDB get their own database, created on the
+//! server named by `NEXUSCRM_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`)
+//! or `NEXUSCRM_TEST_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`). When a server is
+//! unreachable, [`TestDb::create`] panics under CI (`CI` set) and otherwise returns `None` after a
+//! loud message, so a developer without the service can still run the rest.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sqlx::Executor;
+
+use crate::{Db, DbOptions, Dialect};
+
+/// An isolated test database; call [`TestDb::drop_database`] at the end to clean up.
+#[derive(Debug)]
+pub struct TestDb {
+    /// The open handle.
+    pub db: Db,
+    /// Its URL (for more handles, e.g. separate pools per worker).
+    pub url: String,
+    dialect: Dialect,
+    admin_url: String,
+    name: String,
+}
+
+fn unique(label: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let clean: String = label
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .take(24)
+        .collect();
+    format!(
+        "t_{clean}_{}_{}_{nanos:x}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let base = match base.rfind('/') {
+        Some(i) if i > base.find("://").map_or(0, |j| j + 2) => &base[..i],
+        _ => base,
+    };
+    match query {
+        Some(q) => format!("{base}/{name}?{q}"),
+        None => format!("{base}/{name}"),
+    }
+}
+
+impl TestDb {
+    /// Creates an isolated database of `dialect` for the test `label`.
+    ///
+    /// # Panics
+    ///
+    /// Under CI when the server is unreachable, or when creating the database fails.
+    pub async fn create(dialect: Dialect, label: &str) -> Option<TestDb> {
+        TestDb::create_with(dialect, label, DbOptions::default()).await
+    }
+
+    /// As [`TestDb::create`], with pool options.
+    ///
+    /// # Panics
+    ///
+    /// As [`TestDb::create`].
+    pub async fn create_with(dialect: Dialect, label: &str, options: DbOptions) -> Option<TestDb> {
+        let name = unique(label);
+        let admin_url = match dialect {
+            Dialect::Sqlite => {
+                let dir = std::env::temp_dir().join("nexuscrm-tests");
+                std::fs::create_dir_all(&dir).expect("create the SQLite test directory");
+                let path = dir.join(format!("{name}.db"));
+                let url = format!("sqlite://{}", path.display());
+                let db = Db::connect_with(&url, options)
+                    .await
+                    .expect("open a SQLite test file");
+                return Some(TestDb {
+                    db,
+                    url,
+                    dialect,
+                    admin_url: path.display().to_string(),
+                    name,
+                });
+            }
+            Dialect::Postgres => std::env::var("NEXUSCRM_TEST_POSTGRES_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+            Dialect::Mysql => std::env::var("NEXUSCRM_TEST_MYSQL_URL")
+                .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
+        };
+        let admin =
+            match Db::connect_with(&admin_url, DbOptions::default().max_connections(1)).await {
+                Ok(db) => db,
+                Err(e) => {
+                    if std::env::var_os("CI").is_some() {
+                        panic!("{dialect} test server unavailable under CI: {e}");
+                    }
+                    eprintln!(
+                        "\n*** SKIPPING {label} on {dialect}: test server unavailable ({e}). \
+                     Start it, or set NEXUSCRM_TEST_{}_URL. CI fails instead of skipping. ***\n",
+                        if dialect == Dialect::Postgres {
+                            "POSTGRES"
+                        } else {
+                            "MYSQL"
+                        }
+                    );
+                    return None;
+                }
+            };
+        admin
+            .pool()
+            .execute(format!("CREATE DATABASE {name}").as_str())
+            .await
+            .expect("create the test database");
+        admin.close().await;
+        let url = with_database(&admin_url, &name);
+        let db = Db::connect_with(&url, options)
+            .await
+            .expect("open the test database");
+        Some(TestDb {
+            db,
+            url,
+            dialect,
+            admin_url,
+            name,
+        })
+    }
+
+    /// Closes the pool and drops the database (or deletes the SQLite file).
+    pub async fn drop_database(self) {
+        self.db.close().await;
+        match self.dialect {
+            Dialect::Sqlite => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{}{suffix}", self.admin_url));
+                }
+            }
+            _ => {
+                if let Ok(admin) =
+                    Db::connect_with(&self.admin_url, DbOptions::default().max_connections(1)).await
+                {
+                    let sql = match self.dialect {
+                        Dialect::Postgres => {
+                            format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)
+                        }
+                        _ => format!("DROP DATABASE IF EXISTS {}", self.name),
+                    };
+                    let _ = admin.pool().execute(sql.as_str()).await;
+                    admin.close().await;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Persistence against real SQLite files, PostgreSQL and MariaDB (one database per test).
+
+use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_persistence::{Db, DbErrorKind, Dialect, Fence, Migration, WriteError, sqlx};
+use tokio_util::sync::CancellationToken;
+
+const DIALECTS: [Dialect; 3] = [Dialect::Sqlite, Dialect::Postgres, Dialect::Mysql];
+
+#[tokio::test]
+async fn bad_urls_and_unreachable_servers_give_clear_errors() {
+    let e = Db::connect("redis://127.0.0.1").await.unwrap_err();
+    assert_eq!(e.kind(), DbErrorKind::Config);
+    assert!(e.to_string().contains("unsupported database URL"), "{e}");
+    let e = Db::connect("postgres://postgres:secret@127.0.0.1:1/test")
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), DbErrorKind::Unavailable);
+    assert!(
+        e.to_string().contains("postgres:***@127.0.0.1:1"),
+        "password hidden: {e}"
+    );
+    assert!(!e.to_string().contains("secret"));
+}
+
+#[test]
+fn tidb_is_recognised_from_its_version_string() {
+    assert!(nexuscrm_persistence::is_tidb_version("8.0.11-TiDB-v7.5.0"));
+    assert!(!nexuscrm_persistence::is_tidb_version(
+        "10.11.19-MariaDB-0+deb12u1"
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_apply_once_and_refuse_a_newer_schema() {
+    for d in DIALECTS {
+        let Some(t) = TestDb::create(d, "migrate").await else {
+            continue;
+        };
+        let m1 = Migration {
+            version: 1,
+            name: "t",
+            sqlite: "CREATE TABLE IF NOT EXISTS t (id BIGINT PRIMARY KEY);\nCREATE INDEX IF NOT EXISTS t_id ON t (id);\n",
+            postgres: "CREATE TABLE IF NOT EXISTS t (id BIGINT PRIMARY KEY);\nCREATE INDEX IF NOT EXISTS t_id ON t (id);\n",
+            mysql: "CREATE TABLE IF NOT EXISTS t (id BIGINT PRIMARY KEY);\nCREATE INDEX IF NOT EXISTS t_id ON t (id);\n",
+        };
+        assert_eq!(t.db.migrate("comp", &[m1]).await.unwrap(), 1, "{d}");
+        assert_eq!(
+            t.db.migrate("comp", &[m1]).await.unwrap(),
+            0,
+            "{d}: idempotent"
+        );
+        assert_eq!(t.db.schema_version("comp").await.unwrap(), 1);
+        // Code that only knows version 0 meets a v1 schema.
+        let e = t.db.migrate("comp", &[]).await.unwrap_err();
+        assert_eq!(e.kind(), DbErrorKind::SchemaTooNew, "{d}");
+        assert!(e.to_string().contains("newer than this build knows"), "{e}");
+        let bad = Migration {
+            version: 2,
+            name: "bad",
+            sqlite: "CREATE TABLLE x (a INT);\n",
+            postgres: "CREATE TABLLE x (a INT);\n",
+            mysql: "CREATE TABLLE x (a INT);\n",
+        };
+        let e = t.db.migrate("comp", &[m1, bad]).await.unwrap_err();
+        assert_eq!(e.kind(), DbErrorKind::Migration);
+        assert!(e.to_string().contains("comp v2 (bad)"), "{e}");
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_generation_fences_out_an_older_one_which_can_never_take_back() {
+    for d in DIALECTS {
+        let Some(t) = TestDb::create(d, "ownership").await else {
+            continue;
+        };
+        t.db.migrate_ownership().await.unwrap();
+        let g1 = t.db.take_ownership("bulk", 1, "a").await.unwrap();
+        let mut tx = t.db.begin_write().await.unwrap();
+        assert!(g1.holds(tx.conn(), &t.db).await.unwrap(), "{d}");
+        tx.rollback().await;
+        t.db.take_ownership("bulk", 1, "a")
+            .await
+            .expect("idempotent");
+        t.db.take_ownership("bulk", 2, "b").await.unwrap();
+        let mut tx = t.db.begin_write().await.unwrap();
+        assert!(
+            !g1.holds(tx.conn(), &t.db).await.unwrap(),
+            "{d}: generation 1 is fenced out"
+        );
+        assert!(Fence::new("bulk", 2).holds(tx.conn(), &t.db).await.unwrap());
+        tx.rollback().await;
+        let e = t.db.take_ownership("bulk", 1, "a").await.unwrap_err();
+        assert_eq!(e.kind(), DbErrorKind::Superseded, "{d}");
+        assert_eq!(t.db.owner_generation("bulk").await.unwrap(), Some(2));
+        // Another family is independent.
+        t.db.take_ownership("flow", 1, "a").await.unwrap();
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_cancelled_while_blocked_on_a_lock_returns_promptly_and_commits_nothing() {
+    for d in DIALECTS {
+        let Some(t) = TestDb::create(d, "cancel").await else {
+            continue;
+        };
+        let create = "CREATE TABLE c (id BIGINT PRIMARY KEY, v BIGINT NOT NULL)";
+        sqlx::query(create).execute(t.db.pool()).await.unwrap();
+        sqlx::query("INSERT INTO c (id, v) VALUES (1, 0)")
+            .execute(t.db.pool())
+            .await
+            .unwrap();
+        // Another connection holds the lock.
+        let mut holder = t.db.begin_write().await.unwrap();
+        sqlx::query("UPDATE c SET v = 100 WHERE id = 1")
+            .execute(holder.conn())
+            .await
+            .unwrap();
+        let cancel = CancellationToken::new();
+        let c2 = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            c2.cancel();
+        });
+        let started = std::time::Instant::now();
+        let r =
+            t.db.write(&cancel, |conn| {
+                Box::pin(async move {
+                    sqlx::query("UPDATE c SET v = v + 1 WHERE id = 1")
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+            })
+            .await;
+        assert!(matches!(r, Err(WriteError::Cancelled)), "{d}: {r:?}");
+        assert!(r.unwrap_err().is_not_committed());
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(4),
+            "{d}: returned promptly"
+        );
+        holder.rollback().await;
+        // Nothing committed: the value is untouched once the lock holder rolled back.
+        let v: i64 = loop {
+            match sqlx::query_scalar("SELECT v FROM c WHERE id = 1")
+                .fetch_one(t.db.pool())
+                .await
+            {
+                Ok(v) => break v,
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            }
+        };
+        assert_eq!(v, 0, "{d}");
+        t.drop_database().await;
+    }
+}
