@@ -13,11 +13,11 @@ use crate::db::Dialect;
 /// ```
 #[derive(Debug, Clone)]
 pub struct Queries {
-    statements: HashMap<&'static str, &'static str>,
+    statements: HashMap<&'static str, String>,
 }
 
 impl Queries {
-    /// Parses `-- name:` sections. A trailing `;` is trimmed.
+    /// Parses `-- name:` sections. Comment-only lines and a trailing `;` are dropped.
     #[must_use]
     pub fn parse(text: &'static str) -> Self {
         let mut statements = HashMap::new();
@@ -26,8 +26,15 @@ impl Queries {
             let after = &rest[start + "-- name:".len()..];
             let (name, body) = after.split_once('\n').unwrap_or((after, ""));
             let end = body.find("-- name:").unwrap_or(body.len());
-            let sql = body[..end].trim().trim_end_matches(';').trim();
-            statements.insert(name.trim(), sql);
+            let sql: Vec<&str> = body[..end]
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("--"))
+                .collect();
+            let sql = sql.join("\n");
+            statements.insert(
+                name.trim(),
+                sql.trim().trim_end_matches(';').trim().to_owned(),
+            );
             rest = &body[end..];
         }
         Queries { statements }
@@ -39,9 +46,10 @@ impl Queries {
     ///
     /// When the SQL file has no such statement: a build-time bug, caught by every test.
     #[must_use]
-    pub fn get(&self, name: &str) -> &'static str {
+    pub fn get(&self, name: &str) -> &str {
         self.statements
             .get(name)
+            .map(String::as_str)
             .unwrap_or_else(|| panic!("SQL statement `{name}` is missing from its .sql file"))
     }
 }

@@ -1,0 +1,74 @@
+-- Bulk family, SQLite. Every write runs inside BEGIN IMMEDIATE (one writer at a time).
+-- Times are epoch milliseconds from the worker's clock.
+
+-- name: job_by_key
+SELECT id FROM bulk_job WHERE idempotency_key = ?
+-- name: job_insert
+INSERT INTO bulk_job (idempotency_key, state, max_attempts, run_at, total_rows, segment_size, created_at, updated_at)
+VALUES (?, 'pending', ?, ?, ?, ?, ?, ?)
+-- name: input_insert_prefix
+INSERT INTO bulk_input (job_id, ordinal, record_key, fields) VALUES
+
+-- Claim: one statement, bounded by bulk_job_due / bulk_job_lease.
+-- name: claim
+UPDATE bulk_job
+SET state = 'running', claim_token = ?, lease_expires_at = ?, owner_generation = ?,
+    attempts = attempts + 1, updated_at = ?
+WHERE id IN (
+    SELECT id FROM bulk_job WHERE state = 'pending' AND run_at <= ?
+    UNION ALL
+    SELECT id FROM bulk_job WHERE state = 'running' AND lease_expires_at <= ?
+    ORDER BY id LIMIT ?)
+RETURNING id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size
+-- name: claimed
+SELECT id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size FROM bulk_job WHERE claim_token = ?
+
+-- next_work_at: two indexed MIN reads.
+-- name: next_run_at
+SELECT MIN(run_at) FROM bulk_job WHERE state = 'pending'
+-- name: next_lease_expiry
+SELECT MIN(lease_expires_at) FROM bulk_job WHERE state = 'running'
+
+-- Reconcile after an ownership transfer: jobs leased by older generations are released at once.
+-- name: release_older_generations
+UPDATE bulk_job SET state = 'pending', claim_token = NULL, lease_expires_at = NULL, updated_at = ?
+WHERE state = 'running' AND owner_generation < ?
+
+-- Attempt statements: every one is a compare-and-set on the claim token.
+-- name: heartbeat
+UPDATE bulk_job SET lease_expires_at = ?, updated_at = ? WHERE id = ? AND claim_token = ? AND state = 'running' AND lease_expires_at > ?
+-- name: job_for_segment
+SELECT cursor_ordinal, total_rows, segment_size, applied_rows, rejected_rows FROM bulk_job
+WHERE id = ? AND claim_token = ? AND state = 'running' AND lease_expires_at > ?
+-- name: segment_rows
+SELECT ordinal, record_key, fields FROM bulk_input WHERE job_id = ? AND ordinal >= ? ORDER BY ordinal LIMIT ?
+-- name: record_upsert
+INSERT INTO crm_record (record_key, revision, data, updated_at) VALUES (?, 1, ?, ?)
+ON CONFLICT (record_key) DO UPDATE SET revision = crm_record.revision + 1, data = excluded.data, updated_at = excluded.updated_at
+RETURNING revision
+-- name: change_insert
+INSERT INTO crm_record_change (job_id, ordinal, record_key, revision, applied_at) VALUES (?, ?, ?, ?, ?)
+-- name: row_error_insert
+INSERT INTO bulk_row_error (job_id, ordinal, message) VALUES (?, ?, ?)
+-- name: segment_commit
+UPDATE bulk_job SET cursor_ordinal = ?, applied_rows = ?, rejected_rows = ?, lease_expires_at = ?,
+    state = ?, claim_token = ?, updated_at = ?
+WHERE id = ? AND claim_token = ? AND state = 'running'
+-- name: release
+UPDATE bulk_job SET state = ?, claim_token = NULL, lease_expires_at = NULL, run_at = ?, attempts = attempts - ?,
+    last_error = ?, updated_at = ?
+WHERE id = ? AND claim_token = ? AND state = 'running'
+
+-- Observations and the generation probe.
+-- name: count_by_state
+SELECT state, COUNT(*) FROM bulk_job GROUP BY state
+-- name: oldest_eligible
+SELECT MIN(run_at) FROM bulk_job WHERE state = 'pending' AND run_at <= ?
+-- name: generation
+SELECT MAX(id) FROM bulk_job
+-- name: job_status
+SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at
+FROM bulk_job WHERE id = ?
+-- name: job_list
+SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at
+FROM bulk_job ORDER BY id DESC LIMIT ?

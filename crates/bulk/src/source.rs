@@ -1,0 +1,600 @@
+//! The Bulk [`Source`] and [`Attempt`].
+
+use std::num::NonZeroUsize;
+use std::time::{Duration, SystemTime};
+
+use nexuscrm_persistence::sqlx::{self, Row};
+use nexuscrm_persistence::{Dialect, WriteError};
+use nexuscrm_worker::fault::CrashPoint;
+use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
+use serde_json::{Map, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::store::{Bulk, from_ms, queries, row_problem, text, to_ms};
+
+/// The Bulk family's [`Source`]: claims due jobs (and jobs whose lease expired), answers
+/// `next_work_at` from two indexed reads, and releases jobs leased by older generations on
+/// reconciliation.
+#[derive(Debug, Clone)]
+pub struct BulkSource {
+    pub(crate) bulk: Bulk,
+}
+
+/// Whether a rolled-back transaction failed only because of lock contention (a deadlock or
+/// serialization failure, or SQLite's busy lock): safe and sensible to retry at once.
+pub(crate) fn is_contention(e: &WriteError) -> bool {
+    let WriteError::NotCommitted(sqlx::Error::Database(d)) = e else {
+        return false;
+    };
+    let code = d.code().unwrap_or_default();
+    matches!(
+        code.as_ref(),
+        "40001" | "40P01" | "1213" | "1205" | "5" | "6" | "517"
+    ) || d.message().contains("Deadlock found")
+        || d.message().contains("database is locked")
+}
+
+/// Runs `op` again (up to 8 times, 5 ms doubling to 200 ms with jitter, cancel-aware) while it
+/// fails with lock contention, which is a proven rollback.
+pub(crate) async fn retrying<T, F, Fut>(
+    cancel: &CancellationToken,
+    mut op: F,
+) -> Result<T, WriteError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, WriteError>>,
+{
+    let mut delay = Duration::from_millis(5);
+    for _ in 0..8 {
+        match op().await {
+            Err(e) if is_contention(&e) && !cancel.is_cancelled() => {
+                let jitter = Duration::from_micros(
+                    u64::from(
+                        SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|d| d.subsec_micros())
+                            .unwrap_or(0),
+                    ) % (delay.as_micros() as u64 + 1),
+                );
+                tokio::select! {
+                    () = cancel.cancelled() => return Err(WriteError::Cancelled),
+                    () = tokio::time::sleep(delay + jitter) => {}
+                }
+                delay = (delay * 2).min(Duration::from_millis(200));
+            }
+            other => return other,
+        }
+    }
+    op().await
+}
+
+fn source_error(e: WriteError) -> SourceError {
+    if e.is_not_committed() {
+        SourceError::not_committed(e)
+    } else {
+        SourceError::new(e)
+    }
+}
+
+fn new_token() -> String {
+    use std::collections::hash_map::RandomState;
+    use std::hash::{BuildHasher, Hasher};
+    let mut a = RandomState::new().build_hasher();
+    a.write_u128(
+        SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    let mut b = RandomState::new().build_hasher();
+    b.write_u64(a.finish());
+    format!("{:016x}{:016x}", a.finish(), b.finish())
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Claimed {
+    id: i64,
+    attempts: i64,
+    max_attempts: i64,
+    cursor: i64,
+    total: i64,
+    segment_size: i64,
+}
+
+fn decode_claimed(r: &sqlx::any::AnyRow) -> Result<Claimed, sqlx::Error> {
+    Ok(Claimed {
+        id: r.try_get(0)?,
+        attempts: r.try_get(1)?,
+        max_attempts: r.try_get(2)?,
+        cursor: r.try_get(3)?,
+        total: r.try_get(4)?,
+        segment_size: r.try_get(5)?,
+    })
+}
+
+impl BulkSource {
+    /// The family handle.
+    #[must_use]
+    pub fn bulk(&self) -> &Bulk {
+        &self.bulk
+    }
+
+    async fn max_id(&self) -> Result<Generation, SourceError> {
+        let q = queries(self.bulk.inner.db.dialect());
+        let v: Option<i64> = sqlx::query(q.get("generation"))
+            .fetch_one(self.bulk.inner.db.pool())
+            .await
+            .and_then(|r| r.try_get(0))
+            .map_err(SourceError::new)?;
+        Ok(Generation(v.unwrap_or(0) as u64))
+    }
+}
+
+impl Source for BulkSource {
+    type Attempt = BulkAttempt;
+
+    async fn check_ready(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+        let db = &self.bulk.inner.db;
+        let q = queries(db.dialect());
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
+            r = sqlx::query(q.get("generation")).fetch_one(db.pool()) => r
+                .map(drop)
+                .map_err(|e| SourceError::new(format!("the bulk schema is not readable: {e}"))),
+        }
+    }
+
+    async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+        let inner = &self.bulk.inner;
+        let db = inner.db.clone();
+        let fence = inner.fence.clone();
+        let q = queries(db.dialect());
+        let now = to_ms(inner.clock.now());
+        retrying(&cancel, || {
+            let (db, fence) = (db.clone(), fence.clone());
+            inner.db.write(&cancel, move |c| {
+                Box::pin(async move {
+                    if fence.holds(c, &db).await? {
+                        sqlx::query(q.get("release_older_generations"))
+                            .bind(now)
+                            .bind(fence.generation())
+                            .execute(&mut *c)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+        })
+        .await
+        .map_err(source_error)
+    }
+
+    async fn claim(
+        &self,
+        capacity: NonZeroUsize,
+        cancel: CancellationToken,
+    ) -> Result<ClaimBatch<BulkAttempt>, SourceError> {
+        let inner = &self.bulk.inner;
+        let db = inner.db.clone();
+        let fence = inner.fence.clone();
+        let dialect = db.dialect();
+        let q = queries(dialect);
+        let token = new_token();
+        let now = to_ms(inner.clock.now());
+        let lease_until = now + inner.cfg.lease.as_millis() as i64;
+        let limit = capacity.get() as i64;
+        let claimed = retrying(&cancel, || {
+            let (db, fence, claim_token) = (db.clone(), fence.clone(), token.clone());
+            inner.db.write(&cancel, move |c| {
+                Box::pin(async move {
+                    if !fence.holds(c, &db).await? {
+                        return Ok(None); // Fenced out: claim nothing.
+                    }
+                    let query = sqlx::query(q.get("claim"))
+                        .bind(claim_token.as_str())
+                        .bind(lease_until)
+                        .bind(fence.generation())
+                        .bind(now)
+                        .bind(now)
+                        .bind(now)
+                        .bind(limit);
+                    let rows = if dialect == Dialect::Mysql {
+                        // TiDB ignores RETURNING: read back the rows carrying this token.
+                        query.execute(&mut *c).await?;
+                        sqlx::query(q.get("claimed"))
+                            .bind(claim_token.as_str())
+                            .fetch_all(&mut *c)
+                            .await?
+                    } else {
+                        query.fetch_all(&mut *c).await?
+                    };
+                    rows.iter()
+                        .map(decode_claimed)
+                        .collect::<Result<Vec<_>, _>>()
+                        .map(Some)
+                })
+            })
+        })
+        .await
+        .map_err(source_error)?;
+        let Some(mut jobs) = claimed else {
+            return Ok(ClaimBatch::empty());
+        };
+        inner
+            .faults
+            .hit(CrashPoint::AfterClaim)
+            .map_err(SourceError::new)?;
+        jobs.sort_by_key(|j| j.id);
+        let full = jobs.len() == capacity.get();
+        let attempts: Vec<BulkAttempt> = jobs
+            .into_iter()
+            .map(|job| BulkAttempt {
+                bulk: self.bulk.clone(),
+                job,
+                token: token.clone(),
+            })
+            .collect();
+        // A full batch may have more behind it; a partial one is terminal.
+        Ok(if full {
+            ClaimBatch::more(attempts)
+        } else {
+            ClaimBatch::done(attempts)
+        })
+    }
+
+    async fn next_work_at(
+        &self,
+        cancel: CancellationToken,
+    ) -> Result<Option<SystemTime>, SourceError> {
+        let db = &self.bulk.inner.db;
+        let q = queries(db.dialect());
+        let read = async {
+            let run_at: Option<i64> = sqlx::query(q.get("next_run_at"))
+                .fetch_one(db.pool())
+                .await?
+                .try_get(0)?;
+            let lease: Option<i64> = sqlx::query(q.get("next_lease_expiry"))
+                .fetch_one(db.pool())
+                .await?
+                .try_get(0)?;
+            Ok::<_, sqlx::Error>(match (run_at, lease) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            })
+        };
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
+            r = read => r.map(|t| t.map(from_ms)).map_err(SourceError::new),
+        }
+    }
+
+    async fn generation(
+        &self,
+        cancel: CancellationToken,
+    ) -> Result<Option<Generation>, SourceError> {
+        if self.bulk.inner.cfg.generation_poll.is_none() {
+            return Ok(None);
+        }
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
+            g = self.max_id() => g.map(Some),
+        }
+    }
+
+    async fn generation_changed(
+        &self,
+        seen: Generation,
+        cancel: CancellationToken,
+    ) -> Result<Generation, SourceError> {
+        let every = self
+            .bulk
+            .inner
+            .cfg
+            .generation_poll
+            .unwrap_or(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => return Ok(seen),
+                () = tokio::time::sleep(every) => {}
+            }
+            let now = self.max_id().await?;
+            if now != seen {
+                return Ok(now);
+            }
+        }
+    }
+}
+
+/// One claimed Bulk job: segments until done, heartbeating between them.
+#[derive(Debug)]
+pub struct BulkAttempt {
+    bulk: Bulk,
+    job: Claimed,
+    token: String,
+}
+
+enum Segment {
+    Lost,
+    Progress { cursor: i64, done: bool },
+}
+
+fn crash(e: nexuscrm_worker::fault::Crash) -> AttemptError {
+    AttemptError::new(e)
+}
+
+impl BulkAttempt {
+    /// Ends the claim: back to pending (after `delay`), or poisoned. `refund` gives the attempt
+    /// back (a graceful release is not a failed attempt).
+    async fn release(
+        &self,
+        state: &'static str,
+        delay: Duration,
+        refund: bool,
+        error: Option<String>,
+    ) -> Result<(), AttemptError> {
+        let inner = &self.bulk.inner;
+        let db = inner.db.clone();
+        let fence = inner.fence.clone();
+        let q = queries(db.dialect());
+        let now = to_ms(inner.clock.now());
+        let run_at = now + delay.as_millis() as i64;
+        let (id, token) = (self.job.id, self.token.clone());
+        let never = CancellationToken::new();
+        inner
+            .db
+            .write(&never, move |c| {
+                Box::pin(async move {
+                    if !fence.holds(c, &db).await? {
+                        return Ok(());
+                    }
+                    sqlx::query(q.get("release"))
+                        .bind(state)
+                        .bind(run_at)
+                        .bind(i64::from(refund))
+                        .bind(error)
+                        .bind(now)
+                        .bind(id)
+                        .bind(token.as_str())
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(())
+                })
+            })
+            .await
+            .map_err(|e| AttemptError::new(format!("releasing bulk job {id} failed: {e}")))?;
+        // The schedule changed (the job is claimable now or at its backoff): attempt completion
+        // alone never causes a claim, so offer the controller a claim turn.
+        if let Some(w) = inner.waker.get() {
+            w.wake();
+        }
+        Ok(())
+    }
+
+    async fn heartbeat(&self) -> Result<bool, WriteError> {
+        let inner = &self.bulk.inner;
+        let db = inner.db.clone();
+        let dialect = db.dialect();
+        let fence = inner.fence.clone();
+        let q = queries(db.dialect());
+        let now = to_ms(inner.clock.now());
+        let lease_until = now + inner.cfg.lease.as_millis() as i64;
+        let (id, token) = (self.job.id, self.token.clone());
+        let never = CancellationToken::new();
+        inner
+            .db
+            .write(&never, move |c| {
+                Box::pin(async move {
+                    if !fence.holds(c, &db).await? {
+                        return Ok(false);
+                    }
+                    let heartbeat = sqlx::query(q.get("heartbeat"))
+                        .bind(lease_until)
+                        .bind(now)
+                        .bind(id)
+                        .bind(token.as_str());
+                    // PostgreSQL reuses $2 for the expiry check; the others bind it again.
+                    let heartbeat = if dialect == Dialect::Postgres {
+                        heartbeat
+                    } else {
+                        heartbeat.bind(now)
+                    };
+                    let r = heartbeat.execute(&mut *c).await?;
+                    Ok(r.rows_affected() == 1)
+                })
+            })
+            .await
+    }
+
+    async fn segment(&self, cancel: &CancellationToken) -> Result<Segment, WriteError> {
+        let inner = &self.bulk.inner;
+        let db = inner.db.clone();
+        let fence = inner.fence.clone();
+        let dialect = db.dialect();
+        let q = queries(dialect);
+        let now = to_ms(inner.clock.now());
+        let lease_until = now + inner.cfg.lease.as_millis() as i64;
+        let (id, token) = (self.job.id, self.token.clone());
+        inner
+            .db
+            .write(cancel, move |c| {
+                Box::pin(async move {
+                    if !fence.holds(c, &db).await? {
+                        return Ok(Segment::Lost);
+                    }
+                    let Some(job) = sqlx::query(q.get("job_for_segment"))
+                        .bind(id)
+                        .bind(token.as_str())
+                        .bind(now)
+                        .fetch_optional(&mut *c)
+                        .await?
+                    else {
+                        return Ok(Segment::Lost);
+                    };
+                    let cursor: i64 = job.try_get(0)?;
+                    let total: i64 = job.try_get(1)?;
+                    let size: i64 = job.try_get(2)?;
+                    let mut applied: i64 = job.try_get(3)?;
+                    let mut rejected: i64 = job.try_get(4)?;
+                    let rows = sqlx::query(q.get("segment_rows"))
+                        .bind(id)
+                        .bind(cursor)
+                        .bind(size)
+                        .fetch_all(&mut *c)
+                        .await?;
+                    let mut next = cursor;
+                    for row in &rows {
+                        let ordinal: i64 = row.try_get(0)?;
+                        let key = text(row, 1)?;
+                        let fields = text(row, 2)?;
+                        next = ordinal + 1;
+                        let parsed: Map<String, Value> =
+                            serde_json::from_str(&fields).unwrap_or_default();
+                        if let Some(problem) = row_problem(&parsed) {
+                            sqlx::query(q.get("row_error_insert"))
+                                .bind(id)
+                                .bind(ordinal)
+                                .bind(problem)
+                                .execute(&mut *c)
+                                .await?;
+                            rejected += 1;
+                            continue;
+                        }
+                        let upsert = sqlx::query(q.get("record_upsert"))
+                            .bind(key.as_str())
+                            .bind(fields.as_str())
+                            .bind(now);
+                        let revision: i64 = if dialect == Dialect::Mysql {
+                            upsert.execute(&mut *c).await?;
+                            sqlx::query(q.get("record_revision"))
+                                .bind(key.as_str())
+                                .fetch_one(&mut *c)
+                                .await?
+                                .try_get(0)?
+                        } else {
+                            upsert.fetch_one(&mut *c).await?.try_get(0)?
+                        };
+                        sqlx::query(q.get("change_insert"))
+                            .bind(id)
+                            .bind(ordinal)
+                            .bind(key.as_str())
+                            .bind(revision)
+                            .bind(now)
+                            .execute(&mut *c)
+                            .await?;
+                        applied += 1;
+                    }
+                    let done = next >= total || rows.is_empty();
+                    let state = if done { "succeeded" } else { "running" };
+                    let keep_token: Option<&str> = if done { None } else { Some(token.as_str()) };
+                    let r = sqlx::query(q.get("segment_commit"))
+                        .bind(next)
+                        .bind(applied)
+                        .bind(rejected)
+                        .bind(lease_until)
+                        .bind(state)
+                        .bind(keep_token)
+                        .bind(now)
+                        .bind(id)
+                        .bind(token.as_str())
+                        .execute(&mut *c)
+                        .await?;
+                    if r.rows_affected() != 1 {
+                        // Roll the segment back: we no longer hold the job.
+                        return Err(sqlx::Error::RowNotFound);
+                    }
+                    Ok(Segment::Progress { cursor: next, done })
+                })
+            })
+            .await
+    }
+
+    fn backoff(&self) -> Duration {
+        let cfg = &self.bulk.inner.cfg;
+        let exp = (self.job.attempts.max(1) - 1).min(20) as u32;
+        cfg.backoff_base
+            .saturating_mul(2u32.saturating_pow(exp))
+            .min(cfg.backoff_max)
+    }
+}
+
+impl Attempt for BulkAttempt {
+    async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
+        let faults = self.bulk.inner.faults.clone();
+        if self.job.attempts > self.job.max_attempts {
+            let reason = format!(
+                "poisoned after {} claims (max {}): the job never reached a disposition",
+                self.job.attempts - 1,
+                self.job.max_attempts
+            );
+            return self
+                .release("poisoned", Duration::ZERO, false, Some(reason))
+                .await;
+        }
+        faults.hit(CrashPoint::BeforeEffect).map_err(crash)?;
+        let mut cursor = self.job.cursor;
+        let mut first = true;
+        loop {
+            if cancel.is_cancelled() {
+                return self.release("pending", Duration::ZERO, true, None).await;
+            }
+            if !first {
+                faults.hit(CrashPoint::DuringHeartbeat).map_err(crash)?;
+                match retrying(&cancel, || self.heartbeat()).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        faults.hit(CrashPoint::LeaseExpiry).map_err(crash)?;
+                        return Ok(()); // Lost the lease: the new holder owns the job.
+                    }
+                    Err(e) => return self.transient(format!("heartbeat failed: {e}")).await,
+                }
+            }
+            first = false;
+            // The segment that will complete the job carries its disposition.
+            if cursor + self.job.segment_size >= self.job.total {
+                faults.hit(CrashPoint::BeforeDisposition).map_err(crash)?;
+            }
+            let seg = retrying(&cancel, || self.segment(&cancel)).await;
+            match seg {
+                Ok(Segment::Lost) => {
+                    faults.hit(CrashPoint::LeaseExpiry).map_err(crash)?;
+                    return Ok(());
+                }
+                Ok(Segment::Progress { cursor: next, done }) => {
+                    cursor = next;
+                    faults.hit(CrashPoint::AfterEffect).map_err(crash)?;
+                    if done {
+                        faults.hit(CrashPoint::AfterDisposition).map_err(crash)?;
+                        return Ok(());
+                    }
+                }
+                Err(WriteError::Cancelled) => {
+                    return self.release("pending", Duration::ZERO, true, None).await;
+                }
+                Err(WriteError::NotCommitted(sqlx::Error::RowNotFound)) => return Ok(()),
+                Err(e) => return self.transient(format!("segment failed: {e}")).await,
+            }
+        }
+    }
+}
+
+impl BulkAttempt {
+    /// A transient failure: retry later with backoff, or poison after the last attempt. If even
+    /// that cannot be written, fail stop (the lease will return the job).
+    async fn transient(&self, error: String) -> Result<(), AttemptError> {
+        if self.job.attempts >= self.job.max_attempts {
+            let reason = format!(
+                "poisoned after {} attempts; last error: {error}",
+                self.job.attempts
+            );
+            self.release("poisoned", Duration::ZERO, false, Some(reason))
+                .await
+        } else {
+            self.release("pending", self.backoff(), false, Some(error))
+                .await
+        }
+    }
+}

@@ -1,0 +1,788 @@
+//! The Bulk store: producer, claim, segments, leases, observations.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
+use nexuscrm_persistence::{
+    Db, DbError, Dialect, DialectQueries, Fence, Migration, Queries, WriteError,
+};
+use nexuscrm_worker::fault::{Crash, CrashPoint, Faults};
+use nexuscrm_worker::{Clock, SystemClock};
+use serde_json::{Map, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::FAMILY;
+
+/// The Bulk family's migrations.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "bulk jobs, inputs, records and change log",
+    sqlite: include_str!("../sql/sqlite/0001_bulk.sql"),
+    postgres: include_str!("../sql/postgres/0001_bulk.sql"),
+    mysql: include_str!("../sql/mysql/0001_bulk.sql"),
+}];
+
+pub(crate) fn queries(dialect: Dialect) -> &'static Queries {
+    static Q: OnceLock<DialectQueries> = OnceLock::new();
+    Q.get_or_init(|| {
+        DialectQueries::new(
+            include_str!("../sql/sqlite/queries.sql"),
+            include_str!("../sql/postgres/queries.sql"),
+            include_str!("../sql/mysql/queries.sql"),
+        )
+    })
+    .for_dialect(dialect)
+}
+
+/// Largest accepted segment size.
+pub const MAX_SEGMENT_SIZE: u32 = 10_000;
+/// Largest accepted job.
+pub const MAX_ROWS: usize = 1_000_000;
+
+/// Bulk settings.
+#[derive(Debug, Clone)]
+pub struct BulkConfig {
+    pub(crate) lease: Duration,
+    pub(crate) default_segment_size: u32,
+    pub(crate) default_max_attempts: u32,
+    pub(crate) backoff_base: Duration,
+    pub(crate) backoff_max: Duration,
+    pub(crate) generation_poll: Option<Duration>,
+}
+
+impl Default for BulkConfig {
+    fn default() -> Self {
+        BulkConfig {
+            lease: Duration::from_secs(30),
+            default_segment_size: 100,
+            default_max_attempts: 5,
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(300),
+            generation_poll: Some(Duration::from_secs(5)),
+        }
+    }
+}
+
+impl BulkConfig {
+    /// How long a claim owns a job without a heartbeat. By default 30 seconds; heartbeats run
+    /// between segments, so a segment must take well under this.
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(10));
+        self
+    }
+
+    /// Rows per segment for jobs that do not choose. By default 100.
+    #[must_use]
+    pub fn default_segment_size(mut self, n: u32) -> Self {
+        self.default_segment_size = n.clamp(1, MAX_SEGMENT_SIZE);
+        self
+    }
+
+    /// Claims before a job is poisoned, for jobs that do not choose. By default 5.
+    #[must_use]
+    pub fn default_max_attempts(mut self, n: u32) -> Self {
+        self.default_max_attempts = n.max(1);
+        self
+    }
+
+    /// First retry delay after a transient error, doubling per attempt up to `max`. By default
+    /// 1 second and 5 minutes.
+    #[must_use]
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.backoff_base = base;
+        self.backoff_max = max.max(base);
+        self
+    }
+
+    /// Interval of the cross-process generation probe (a `MAX(id)` read of the primary key
+    /// index, which changes when any process accepts a job); `None` disables it. By default 5
+    /// seconds. In-process producers wake the controller directly.
+    #[must_use]
+    pub fn generation_poll(mut self, every: Option<Duration>) -> Self {
+        self.generation_poll = every;
+        self
+    }
+}
+
+/// One input row: a record key and the fields to write.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowInput {
+    /// The `crm_record` key (1 to 255 characters, no control characters).
+    pub record_key: String,
+    /// The fields; must serialize to at most 64 KiB. An `email` field that is not a string
+    /// containing `@` is a row-level validation failure, recorded without failing the job.
+    pub fields: Map<String, Value>,
+}
+
+impl RowInput {
+    /// A row.
+    #[must_use]
+    pub fn new(record_key: impl Into<String>, fields: Map<String, Value>) -> Self {
+        RowInput {
+            record_key: record_key.into(),
+            fields,
+        }
+    }
+}
+
+/// A job to accept.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewJob {
+    /// Repeating a submit with the same key returns the same job.
+    pub idempotency_key: String,
+    /// The rows, applied in order.
+    pub rows: Vec<RowInput>,
+    /// Rows per segment (1 to 10,000); `None`: the configured default.
+    pub segment_size: Option<u32>,
+    /// Claims before poisoning; `None`: the configured default.
+    pub max_attempts: Option<u32>,
+    /// Not before this time; `None`: now.
+    pub run_at: Option<SystemTime>,
+}
+
+impl NewJob {
+    /// A job with defaults.
+    #[must_use]
+    pub fn new(idempotency_key: impl Into<String>, rows: Vec<RowInput>) -> Self {
+        NewJob {
+            idempotency_key: idempotency_key.into(),
+            rows,
+            segment_size: None,
+            max_attempts: None,
+            run_at: None,
+        }
+    }
+}
+
+/// A job identifier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(pub i64);
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// An acknowledged submit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Submitted {
+    /// The job.
+    pub job: JobId,
+    /// `false` when the idempotency key already named this job.
+    pub created: bool,
+}
+
+/// A Bulk error.
+#[derive(Debug)]
+pub struct BulkError {
+    kind: BulkErrorKind,
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+/// The kind of a [`BulkError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BulkErrorKind {
+    /// Malformed input, rejected before anything was stored.
+    Invalid,
+    /// The database failed; nothing was accepted.
+    NotAccepted,
+    /// The commit's answer was lost: the job may or may not be accepted. Retry with the same
+    /// idempotency key.
+    OutcomeUnknown,
+    /// An injected crash.
+    Crashed,
+    /// Any other database error.
+    Database,
+}
+
+impl BulkError {
+    fn invalid(message: impl Into<String>) -> Self {
+        BulkError {
+            kind: BulkErrorKind::Invalid,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    fn write(context: &str, e: WriteError) -> Self {
+        let kind = if e.is_not_committed() {
+            BulkErrorKind::NotAccepted
+        } else {
+            BulkErrorKind::OutcomeUnknown
+        };
+        BulkError {
+            kind,
+            message: format!("{context}: {e}"),
+            source: Some(Box::new(e)),
+        }
+    }
+
+    fn db(context: &str, e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        BulkError {
+            kind: BulkErrorKind::Database,
+            message: format!("{context}: {e}"),
+            source: Some(Box::new(e)),
+        }
+    }
+
+    /// What went wrong.
+    #[must_use]
+    pub fn kind(&self) -> BulkErrorKind {
+        self.kind
+    }
+}
+
+impl fmt::Display for BulkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for BulkError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+impl From<Crash> for BulkError {
+    fn from(c: Crash) -> Self {
+        BulkError {
+            kind: BulkErrorKind::Crashed,
+            message: c.to_string(),
+            source: Some(Box::new(c)),
+        }
+    }
+}
+
+/// A job's state, as the store records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobStatus {
+    /// The job.
+    pub id: JobId,
+    /// Its idempotency key.
+    pub idempotency_key: String,
+    /// `pending`, `running`, `succeeded` or `poisoned`.
+    pub state: String,
+    /// Claims so far.
+    pub attempts: i64,
+    /// Claims allowed.
+    pub max_attempts: i64,
+    /// Next input ordinal to apply.
+    pub cursor: i64,
+    /// Input rows.
+    pub total_rows: i64,
+    /// Rows applied.
+    pub applied_rows: i64,
+    /// Rows rejected by row-level validation.
+    pub rejected_rows: i64,
+    /// The last transient error or the poison reason.
+    pub last_error: Option<String>,
+}
+
+impl JobStatus {
+    /// Whether the job reached a terminal state (`succeeded` or `poisoned`).
+    #[must_use]
+    pub fn is_terminal(&self) -> bool {
+        self.state == "succeeded" || self.state == "poisoned"
+    }
+}
+
+/// Queue observations (domain-owned, read from the store).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observations {
+    /// Pending jobs (eligible now or later).
+    pub pending: i64,
+    /// Pending jobs eligible now.
+    pub queue_depth_eligible: i64,
+    /// Age of the oldest eligible job.
+    pub oldest_eligible_age: Option<Duration>,
+    /// Jobs leased by a worker.
+    pub running: i64,
+    /// Jobs that succeeded.
+    pub succeeded: i64,
+    /// Jobs poisoned.
+    pub poisoned: i64,
+}
+
+pub(crate) fn to_ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+pub(crate) fn from_ms(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+/// The Bulk family over one database, for one deployment generation.
+///
+/// Cheap to clone. Holds the producer API ([`Bulk::submit`]), the observation reads, and the
+/// [`BulkSource`](crate::BulkSource) constructor.
+#[derive(Clone)]
+pub struct Bulk {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) db: Db,
+    pub(crate) cfg: BulkConfig,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) faults: Faults,
+    pub(crate) fence: Fence,
+    pub(crate) waker: OnceLock<nexuscrm_worker::Waker>,
+}
+
+impl fmt::Debug for Bulk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Bulk")
+            .field("db", &self.inner.db)
+            .field("generation", &self.inner.fence.generation())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a [`Bulk`] handle is built.
+#[derive(Debug, Clone)]
+pub struct BulkOptions {
+    config: BulkConfig,
+    clock: Arc<dyn Clock>,
+    faults: Faults,
+}
+
+impl Default for BulkOptions {
+    fn default() -> Self {
+        BulkOptions {
+            config: BulkConfig::default(),
+            clock: Arc::new(SystemClock),
+            faults: Faults::none(),
+        }
+    }
+}
+
+impl BulkOptions {
+    /// The family settings.
+    #[must_use]
+    pub fn config(mut self, config: BulkConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The wall clock for leases and due times. By default the system clock.
+    #[must_use]
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The fault hook (tests only). By default [`Faults::none`].
+    #[must_use]
+    pub fn faults(mut self, faults: Faults) -> Self {
+        self.faults = faults;
+        self
+    }
+}
+
+impl Bulk {
+    /// Runs the migrations (ownership first) and returns a handle for `generation`. Does not take
+    /// ownership: call [`Bulk::take_ownership`].
+    ///
+    /// # Errors
+    ///
+    /// A migration error (including a schema newer than this code).
+    pub async fn open(db: Db, generation: i64, options: BulkOptions) -> Result<Bulk, DbError> {
+        db.migrate_ownership().await?;
+        db.migrate(FAMILY, MIGRATIONS).await?;
+        Ok(Bulk::without_migrations(db, generation, options))
+    }
+
+    /// A handle over an already-migrated database.
+    #[must_use]
+    pub fn without_migrations(db: Db, generation: i64, options: BulkOptions) -> Bulk {
+        Bulk {
+            inner: Arc::new(Inner {
+                db,
+                cfg: options.config,
+                clock: options.clock,
+                faults: options.faults,
+                fence: Fence::new(FAMILY, generation),
+                waker: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// Takes ownership of the Bulk family for this handle's generation (fencing out older
+    /// generations).
+    ///
+    /// # Errors
+    ///
+    /// A newer generation owns it, an injected crash, or a database error.
+    pub async fn take_ownership(&self, owner: &str) -> Result<(), BulkError> {
+        self.inner.faults.hit(CrashPoint::OwnershipTransfer)?;
+        self.inner
+            .db
+            .take_ownership(FAMILY, self.inner.fence.generation(), owner)
+            .await
+            .map_err(|e| BulkError::db("taking ownership of bulk", e))?;
+        Ok(())
+    }
+
+    /// The database.
+    #[must_use]
+    pub fn db(&self) -> &Db {
+        &self.inner.db
+    }
+
+    /// The fault hook.
+    #[must_use]
+    pub fn faults(&self) -> &Faults {
+        &self.inner.faults
+    }
+
+    /// This handle's deployment generation.
+    #[must_use]
+    pub fn generation(&self) -> i64 {
+        self.inner.fence.generation()
+    }
+
+    /// Registers the controller's waker so that [`Bulk::submit`] wakes it after commit.
+    pub fn set_waker(&self, waker: nexuscrm_worker::Waker) {
+        let _ = self.inner.waker.set(waker);
+    }
+
+    fn validate(&self, job: &NewJob) -> Result<(i64, i64), BulkError> {
+        let key = &job.idempotency_key;
+        if key.is_empty() || key.len() > 255 || key.chars().any(char::is_control) {
+            return Err(BulkError::invalid(format!(
+                "idempotency key {key:?} must be 1 to 255 characters without control characters"
+            )));
+        }
+        if job.rows.is_empty() {
+            return Err(BulkError::invalid(format!(
+                "job {key:?} has no rows: an empty job is rejected"
+            )));
+        }
+        if job.rows.len() > MAX_ROWS {
+            return Err(BulkError::invalid(format!(
+                "job {key:?} has {} rows; at most {MAX_ROWS} are accepted",
+                job.rows.len()
+            )));
+        }
+        let segment = job
+            .segment_size
+            .unwrap_or(self.inner.cfg.default_segment_size);
+        if segment == 0 || segment > MAX_SEGMENT_SIZE {
+            return Err(BulkError::invalid(format!(
+                "segment size {segment} is outside 1..={MAX_SEGMENT_SIZE}"
+            )));
+        }
+        let attempts = job
+            .max_attempts
+            .unwrap_or(self.inner.cfg.default_max_attempts);
+        if attempts == 0 || attempts > 100 {
+            return Err(BulkError::invalid(format!(
+                "max attempts {attempts} is outside 1..=100"
+            )));
+        }
+        for (i, row) in job.rows.iter().enumerate() {
+            let k = &row.record_key;
+            if k.is_empty() || k.len() > 255 || k.chars().any(char::is_control) {
+                return Err(BulkError::invalid(format!(
+                    "row {i}: record key {k:?} must be 1 to 255 characters without control \
+                     characters"
+                )));
+            }
+            let size = serde_json::to_string(&row.fields)
+                .map(|s| s.len())
+                .unwrap_or(0);
+            if size > 64 * 1024 {
+                return Err(BulkError::invalid(format!(
+                    "row {i}: fields are {size} bytes; at most 65536 are accepted"
+                )));
+            }
+        }
+        Ok((i64::from(segment), i64::from(attempts)))
+    }
+
+    /// Accepts a job and its rows in one transaction, acknowledging only after commit, then
+    /// wakes the in-process controller. A repeated idempotency key returns the existing job.
+    ///
+    /// # Errors
+    ///
+    /// [`BulkErrorKind::Invalid`] before anything is stored; [`BulkErrorKind::NotAccepted`] when
+    /// the transaction rolled back; [`BulkErrorKind::OutcomeUnknown`] when the commit's answer
+    /// was lost (retry with the same key).
+    pub async fn submit(&self, job: NewJob) -> Result<Submitted, BulkError> {
+        let (segment, attempts) = self.validate(&job)?;
+        let inner = &self.inner;
+        inner.faults.hit(CrashPoint::BeforeAcceptance)?;
+        let now = to_ms(inner.clock.now());
+        let run_at = job.run_at.map_or(now, to_ms);
+        let dialect = inner.db.dialect();
+        let q = queries(dialect);
+        let rows: Vec<(String, String)> = job
+            .rows
+            .iter()
+            .map(|r| {
+                (
+                    r.record_key.clone(),
+                    Value::Object(r.fields.clone()).to_string(),
+                )
+            })
+            .collect();
+        let key = job.idempotency_key.clone();
+        let never = CancellationToken::new();
+        let outcome = inner
+            .db
+            .write(&never, move |c| {
+                Box::pin(async move {
+                    if let Some(row) = sqlx::query(q.get("job_by_key"))
+                        .bind(&key)
+                        .fetch_optional(&mut *c)
+                        .await?
+                    {
+                        return Ok(Submitted {
+                            job: JobId(row.try_get(0)?),
+                            created: false,
+                        });
+                    }
+                    sqlx::query(q.get("job_insert"))
+                        .bind(&key)
+                        .bind(attempts)
+                        .bind(run_at)
+                        .bind(rows.len() as i64)
+                        .bind(segment)
+                        .bind(now)
+                        .bind(now)
+                        .execute(&mut *c)
+                        .await?;
+                    let id: i64 = sqlx::query(q.get("job_by_key"))
+                        .bind(&key)
+                        .fetch_one(&mut *c)
+                        .await?
+                        .try_get(0)?;
+                    insert_inputs(c, dialect, q, id, &rows).await?;
+                    Ok(Submitted {
+                        job: JobId(id),
+                        created: true,
+                    })
+                })
+            })
+            .await;
+        let submitted = match outcome {
+            Ok(s) => s,
+            Err(WriteError::NotCommitted(e)) if is_unique_violation(&e) => {
+                // A concurrent submit with the same key won: return its job.
+                let id: i64 = sqlx::query(q.get("job_by_key"))
+                    .bind(&job.idempotency_key)
+                    .fetch_one(inner.db.pool())
+                    .await
+                    .map_err(|e| BulkError::db("reading the existing job", e))?
+                    .try_get(0)
+                    .map_err(|e| BulkError::db("decoding the job id", e))?;
+                Submitted {
+                    job: JobId(id),
+                    created: false,
+                }
+            }
+            Err(e) => return Err(BulkError::write("accepting the bulk job", e)),
+        };
+        inner.faults.hit(CrashPoint::AfterAcceptance)?;
+        if let Some(w) = inner.waker.get() {
+            w.wake();
+        }
+        Ok(submitted)
+    }
+
+    /// One job's status.
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn status(&self, job: JobId) -> Result<Option<JobStatus>, BulkError> {
+        let q = queries(self.inner.db.dialect());
+        let row = sqlx::query(q.get("job_status"))
+            .bind(job.0)
+            .fetch_optional(self.inner.db.pool())
+            .await
+            .map_err(|e| BulkError::db("reading the job", e))?;
+        row.map(|r| decode_status(&r))
+            .transpose()
+            .map_err(|e| BulkError::db("decoding the job", e))
+    }
+
+    /// The newest `limit` jobs.
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn list(&self, limit: i64) -> Result<Vec<JobStatus>, BulkError> {
+        let q = queries(self.inner.db.dialect());
+        let rows = sqlx::query(q.get("job_list"))
+            .bind(limit)
+            .fetch_all(self.inner.db.pool())
+            .await
+            .map_err(|e| BulkError::db("listing jobs", e))?;
+        rows.iter()
+            .map(decode_status)
+            .collect::<Result<_, _>>()
+            .map_err(|e| BulkError::db("decoding jobs", e))
+    }
+
+    /// Queue observations.
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn observations(&self) -> Result<Observations, BulkError> {
+        let db = &self.inner.db;
+        let q = queries(db.dialect());
+        let mut o = Observations::default();
+        let rows = sqlx::query(q.get("count_by_state"))
+            .fetch_all(db.pool())
+            .await
+            .map_err(|e| BulkError::db("counting jobs", e))?;
+        for r in rows {
+            let state: String = text(&r, 0).map_err(|e| BulkError::db("decoding", e))?;
+            let n: i64 = r.try_get(1).map_err(|e| BulkError::db("decoding", e))?;
+            match state.as_str() {
+                "pending" => o.pending = n,
+                "running" => o.running = n,
+                "succeeded" => o.succeeded = n,
+                "poisoned" => o.poisoned = n,
+                _ => {}
+            }
+        }
+        let now = to_ms(self.inner.clock.now());
+        let oldest: Option<i64> = sqlx::query(q.get("oldest_eligible"))
+            .bind(now)
+            .fetch_one(db.pool())
+            .await
+            .map_err(|e| BulkError::db("reading the oldest job", e))?
+            .try_get(0)
+            .map_err(|e| BulkError::db("decoding", e))?;
+        o.oldest_eligible_age = oldest.map(|t| Duration::from_millis((now - t).max(0) as u64));
+        if oldest.is_some() {
+            let sql = match db.dialect() {
+                Dialect::Postgres => {
+                    "SELECT COUNT(*) FROM bulk_job WHERE state = 'pending' AND run_at <= $1"
+                }
+                _ => "SELECT COUNT(*) FROM bulk_job WHERE state = 'pending' AND run_at <= ?",
+            };
+            o.queue_depth_eligible = sqlx::query(sql)
+                .bind(now)
+                .fetch_one(db.pool())
+                .await
+                .and_then(|r| r.try_get(0))
+                .map_err(|e| BulkError::db("counting eligible jobs", e))?;
+        }
+        Ok(o)
+    }
+
+    /// The source a [`Controller`](nexuscrm_worker::Controller) drives.
+    #[must_use]
+    pub fn source(&self) -> crate::BulkSource {
+        crate::BulkSource { bulk: self.clone() }
+    }
+}
+
+fn decode_status(r: &sqlx::any::AnyRow) -> Result<JobStatus, sqlx::Error> {
+    Ok(JobStatus {
+        id: JobId(r.try_get(0)?),
+        idempotency_key: text(r, 1)?,
+        state: text(r, 2)?,
+        attempts: r.try_get(3)?,
+        max_attempts: r.try_get(4)?,
+        cursor: r.try_get(5)?,
+        total_rows: r.try_get(6)?,
+        applied_rows: r.try_get(7)?,
+        rejected_rows: r.try_get(8)?,
+        last_error: Some(text(r, 9)?).filter(|e| !e.is_empty()),
+    })
+}
+
+/// Reads a text column, which MariaDB reports as BLOB through the `Any` driver.
+pub(crate) fn text(r: &sqlx::any::AnyRow, index: usize) -> Result<String, sqlx::Error> {
+    match r.try_get::<String, _>(index) {
+        Ok(s) => Ok(s),
+        Err(_) => {
+            let bytes: Vec<u8> = r.try_get(index)?;
+            String::from_utf8(bytes).map_err(|e| sqlx::Error::Decode(Box::new(e)))
+        }
+    }
+}
+
+pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(d) => {
+            d.is_unique_violation() || {
+                let m = d.message().to_ascii_lowercase();
+                m.contains("unique") || m.contains("duplicate")
+            }
+        }
+        _ => false,
+    }
+}
+
+async fn insert_inputs(
+    c: &mut AnyConnection,
+    dialect: Dialect,
+    q: &Queries,
+    job: i64,
+    rows: &[(String, String)],
+) -> Result<(), sqlx::Error> {
+    // Multi-row inserts of up to 200 rows (4 binds each): few round trips, within every
+    // dialect's bind limit.
+    let prefix = q.get("input_insert_prefix");
+    for (chunk_index, chunk) in rows.chunks(200).enumerate() {
+        let mut sql = String::with_capacity(prefix.len() + chunk.len() * 24);
+        sql.push_str(prefix);
+        for i in 0..chunk.len() {
+            if i > 0 {
+                sql.push(',');
+            }
+            match dialect {
+                Dialect::Postgres => {
+                    let b = i * 4;
+                    sql.push_str(&format!(
+                        " (${}, ${}, ${}, ${})",
+                        b + 1,
+                        b + 2,
+                        b + 3,
+                        b + 4
+                    ));
+                }
+                _ => sql.push_str(" (?, ?, ?, ?)"),
+            }
+        }
+        let mut query = sqlx::query(&sql);
+        for (i, (key, fields)) in chunk.iter().enumerate() {
+            query = query
+                .bind(job)
+                .bind((chunk_index * 200 + i) as i64)
+                .bind(key.as_str())
+                .bind(fields.as_str());
+        }
+        query.execute(&mut *c).await?;
+    }
+    Ok(())
+}
+
+/// Row-level validation applied when the row is written: an `email` field must be a string
+/// containing `@`.
+pub(crate) fn row_problem(fields: &Map<String, Value>) -> Option<String> {
+    match fields.get("email") {
+        None => None,
+        Some(Value::String(s)) if s.contains('@') => None,
+        Some(v) => Some(format!(
+            "invalid email {v}: it must be a string containing '@'"
+        )),
+    }
+}

@@ -1,0 +1,414 @@
+//! The Bulk family against real SQLite files, PostgreSQL and MariaDB.
+
+mod common;
+
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use nexuscrm_bulk::{Bulk, BulkErrorKind, BulkOptions, NewJob, RowInput};
+use nexuscrm_persistence::Dialect;
+use nexuscrm_persistence::sqlx;
+use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_worker::{Attempt, Controller, RunErrorKind, Source};
+use serde_json::{Map, json};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_jobs_drain_with_every_row_applied_exactly_once() {
+    for d in DIALECTS {
+        let Some((t, bulk)) = bulk_on(d, "drain", 1).await else {
+            continue;
+        };
+        let mut ids = Vec::new();
+        for j in 0..3 {
+            ids.push(bulk.submit(job(j, 250, 50)).await.unwrap().job);
+        }
+        drain(&bulk, 2, &ids).await;
+        for id in &ids {
+            let s = bulk.status(*id).await.unwrap().unwrap();
+            assert_eq!(s.state, "succeeded", "{d}");
+            assert_eq!(
+                (s.applied_rows, s.rejected_rows, s.cursor),
+                (250, 0, 250),
+                "{d}"
+            );
+        }
+        let a = applied(&t.db).await;
+        assert_eq!(
+            a,
+            Applied {
+                changes: 750,
+                duplicated: 0,
+                revision_mismatches: 0
+            },
+            "{d}"
+        );
+        let o = bulk.observations().await.unwrap();
+        assert_eq!(
+            (o.succeeded, o.pending, o.running, o.poisoned),
+            (3, 0, 0, 0),
+            "{d}"
+        );
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_rejected_before_acceptance_and_row_failures_are_recorded() {
+    for d in DIALECTS {
+        let Some((t, bulk)) = bulk_on(d, "badinput", 1).await else {
+            continue;
+        };
+        let e = bulk.submit(NewJob::new("empty", vec![])).await.unwrap_err();
+        assert_eq!(e.kind(), BulkErrorKind::Invalid);
+        assert!(e.to_string().contains("has no rows"), "{e}");
+        let mut big = job(1, 5, 1);
+        big.segment_size = Some(50_000);
+        let e = bulk.submit(big).await.unwrap_err();
+        assert!(
+            e.to_string().contains("segment size 50000 is outside"),
+            "{e}"
+        );
+        let e = bulk
+            .submit(NewJob::new("k", vec![RowInput::new("", Map::new())]))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("row 0: record key"), "{e}");
+        assert_eq!(bulk.list(10).await.unwrap().len(), 0, "{d}: nothing stored");
+
+        // The same idempotency key returns the same job.
+        let first = bulk.submit(job(2, 10, 5)).await.unwrap();
+        let again = bulk.submit(job(2, 10, 5)).await.unwrap();
+        assert!(first.created && !again.created);
+        assert_eq!(first.job, again.job);
+
+        // Row-level validation: recorded per row, the job still succeeds.
+        let mut rows = rows(3, 4);
+        rows[2].fields.insert("email".into(), json!("not-an-email"));
+        let mut j = NewJob::new("with-bad-row", rows);
+        j.segment_size = Some(2);
+        let id = bulk.submit(j).await.unwrap().job;
+        drain(&bulk, 2, &[first.job, id]).await;
+        let s = bulk.status(id).await.unwrap().unwrap();
+        assert_eq!(
+            (s.state.as_str(), s.applied_rows, s.rejected_rows),
+            ("succeeded", 3, 1),
+            "{d}"
+        );
+        let msg: Vec<u8> = sqlx::query_scalar("SELECT message FROM bulk_row_error")
+            .fetch_one(t.db.pool())
+            .await
+            .or_else(|_| Ok::<_, sqlx::Error>(Vec::new()))
+            .unwrap();
+        let msg = if msg.is_empty() {
+            sqlx::query_scalar::<_, String>("SELECT message FROM bulk_row_error")
+                .fetch_one(t.db.pool())
+                .await
+                .unwrap()
+        } else {
+            String::from_utf8(msg).unwrap()
+        };
+        assert!(msg.contains("invalid email"), "{msg}");
+        assert_eq!(applied(&t.db).await.duplicated, 0);
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_workers_on_separate_pools_never_apply_a_row_twice() {
+    for d in DIALECTS {
+        let Some((t, producer)) = bulk_on(d, "unique", 1).await else {
+            continue;
+        };
+        let mut ids = Vec::new();
+        for j in 0..200 {
+            ids.push(producer.submit(job(j, 100, 50)).await.unwrap().job);
+        }
+        let mut runs = Vec::new();
+        let cancel = CancellationToken::new();
+        for w in 0..4 {
+            let db = nexuscrm_persistence::Db::connect(&t.url).await.unwrap();
+            let bulk =
+                Bulk::without_migrations(db, 1, BulkOptions::default().config(test_config()));
+            let ctl =
+                Controller::new(bulk.source(), controller_config(&format!("w{w}"), 4)).unwrap();
+            let waker = ctl.waker();
+            runs.push((tokio::spawn(ctl.run(cancel.clone())), waker, bulk));
+        }
+        wait_terminal(&producer, &ids, Duration::from_secs(300)).await;
+        cancel.cancel();
+        let mut claimed_by = Vec::new();
+        for (run, _, bulk) in runs {
+            // A worker may stop early on contention it could not resolve (a proven rollback,
+            // reusable: the Runtime Worker restarts it); it must never poison.
+            match run.await.unwrap() {
+                Ok(ctl) => claimed_by.push(ctl.handle().snapshot().attempts_claimed),
+                Err(e) => {
+                    assert_eq!(e.kind(), RunErrorKind::NotCommitted, "{d}: {e}");
+                    claimed_by.push(
+                        e.into_controller()
+                            .unwrap()
+                            .handle()
+                            .snapshot()
+                            .attempts_claimed,
+                    );
+                }
+            }
+            bulk.db().close().await;
+        }
+        let a = applied(&t.db).await;
+        assert_eq!(
+            a,
+            Applied {
+                changes: 20_000,
+                duplicated: 0,
+                revision_mismatches: 0
+            },
+            "{d}"
+        );
+        assert!(
+            claimed_by.iter().filter(|&&n| n > 0).count() >= 2,
+            "{d}: work was shared {claimed_by:?}"
+        );
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_generation_takes_over_mid_job_and_the_old_one_can_neither_claim_nor_commit() {
+    for d in DIALECTS {
+        let Some((t, gen1)) = bulk_on(d, "takeover", 1).await else {
+            continue;
+        };
+        let id = gen1.submit(job(0, 40, 10)).await.unwrap().job;
+        let src1 = gen1.source();
+        let cancel = CancellationToken::new();
+        let batch = src1
+            .claim(NonZeroUsize::new(1).unwrap(), cancel.clone())
+            .await
+            .unwrap();
+        let (mut attempts, _) = batch.into_parts();
+        let attempt = attempts.pop().expect("claimed");
+        // Generation 2 takes over while generation 1 holds the job.
+        let gen2 = Bulk::without_migrations(
+            t.db.clone(),
+            2,
+            BulkOptions::default().config(test_config()),
+        );
+        gen2.take_ownership("new").await.unwrap();
+        // Generation 1's segment commit is fenced out: nothing applied.
+        attempt.run(CancellationToken::new()).await.unwrap();
+        assert_eq!(
+            applied(&t.db).await.changes,
+            0,
+            "{d}: the fenced commit was rejected"
+        );
+        // Generation 1 claims nothing any more.
+        let again = src1
+            .claim(NonZeroUsize::new(4).unwrap(), cancel.clone())
+            .await
+            .unwrap();
+        assert!(again.is_empty(), "{d}");
+        // Generation 2 reconciles (releasing generation 1's lease at once) and completes.
+        drain(&gen2, 2, &[id]).await;
+        assert_eq!(gen2.status(id).await.unwrap().unwrap().state, "succeeded");
+        let a = applied(&t.db).await;
+        assert_eq!(
+            a,
+            Applied {
+                changes: 40,
+                duplicated: 0,
+                revision_mismatches: 0
+            },
+            "{d}"
+        );
+        // And generation 1 can never take ownership back.
+        assert!(gen1.take_ownership("old").await.is_err());
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_workers_job_is_rescued_exactly_at_lease_expiry_from_its_last_segment() {
+    for d in DIALECTS {
+        let Some(t) = TestDb::create(d, "lease").await else {
+            continue;
+        };
+        let cfg = test_config().lease(Duration::from_millis(1500));
+        let a = Bulk::open(t.db.clone(), 1, BulkOptions::default().config(cfg.clone()))
+            .await
+            .unwrap();
+        a.take_ownership("a").await.unwrap();
+        let id = a.submit(job(0, 30, 10)).await.unwrap().job;
+        // Worker A claims and commits one segment, then "crashes" (stops heartbeating).
+        let faults = nexuscrm_worker::fault::Faults::new();
+        faults.arm(nexuscrm_worker::fault::CrashPoint::DuringHeartbeat);
+        let a = Bulk::without_migrations(
+            t.db.clone(),
+            1,
+            BulkOptions::default()
+                .config(cfg.clone())
+                .faults(faults.clone()),
+        );
+        let batch = a
+            .source()
+            .claim(NonZeroUsize::new(1).unwrap(), CancellationToken::new())
+            .await
+            .unwrap();
+        let claimed_at = std::time::SystemTime::now();
+        let (mut atts, _) = batch.into_parts();
+        assert!(
+            atts.pop()
+                .unwrap()
+                .run(CancellationToken::new())
+                .await
+                .is_err(),
+            "crashed"
+        );
+        let s = a.status(id).await.unwrap().unwrap();
+        assert_eq!(
+            (s.state.as_str(), s.cursor),
+            ("running", 10),
+            "{d}: one segment committed"
+        );
+        // Worker B (same deployment, restarted) sees the lease expiry as its next work time.
+        let b = Bulk::without_migrations(t.db.clone(), 1, BulkOptions::default().config(cfg));
+        let due = b
+            .source()
+            .next_work_at(CancellationToken::new())
+            .await
+            .unwrap()
+            .expect("due");
+        let lease_end = due.duration_since(claimed_at).unwrap_or_default();
+        assert!(
+            lease_end <= Duration::from_millis(1600),
+            "{d}: due at lease end, {lease_end:?}"
+        );
+        let early = b
+            .source()
+            .claim(NonZeroUsize::new(1).unwrap(), CancellationToken::new())
+            .await
+            .unwrap();
+        assert!(early.is_empty(), "{d}: not claimable before the lease ends");
+        drain(&b, 1, &[id]).await;
+        let s = b.status(id).await.unwrap().unwrap();
+        assert_eq!((s.state.as_str(), s.applied_rows), ("succeeded", 30), "{d}");
+        assert_eq!(
+            applied(&t.db).await,
+            Applied {
+                changes: 30,
+                duplicated: 0,
+                revision_mismatches: 0
+            }
+        );
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_operations_blocked_on_a_lock_return_promptly_when_cancelled() {
+    for d in DIALECTS {
+        let Some((t, bulk)) = bulk_on(d, "blocked", 1).await else {
+            continue;
+        };
+        bulk.submit(job(0, 5, 5)).await.unwrap();
+        let src = bulk.source();
+        // Another connection holds the fence row's lock, which every claim and reconciliation
+        // takes (SQLite: the write lock).
+        let mut holder = t.db.begin_write().await.unwrap();
+        sqlx::query("UPDATE runtime_work_fence SET generation = generation")
+            .execute(holder.conn())
+            .await
+            .unwrap();
+        for op in ["reconcile", "claim"] {
+            let cancel = CancellationToken::new();
+            let c2 = cancel.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                c2.cancel();
+            });
+            let started = std::time::Instant::now();
+            let err = match op {
+                "reconcile" => src.reconcile(cancel).await.unwrap_err(),
+                _ => src
+                    .claim(NonZeroUsize::new(1).unwrap(), cancel)
+                    .await
+                    .unwrap_err(),
+            };
+            assert!(err.is_not_committed(), "{d} {op}: {err}");
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "{d} {op} returned promptly"
+            );
+        }
+        holder.rollback().await;
+        // Nothing was claimed by the cancelled claim: the job is still pending.
+        let o = bulk.observations().await.unwrap();
+        assert_eq!((o.pending, o.running), (1, 0), "{d}");
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_disappears_mid_job_fails_stop_and_a_restarted_worker_recovers() {
+    for d in DIALECTS {
+        let Some((t, _)) = bulk_on(d, "dbgone", 1).await else {
+            continue;
+        };
+        let db = nexuscrm_persistence::Db::connect(&t.url).await.unwrap();
+        let cfg = test_config().lease(Duration::from_millis(800));
+        let a = Bulk::without_migrations(db.clone(), 1, BulkOptions::default().config(cfg.clone()));
+        let id = a.submit(job(0, 20, 10)).await.unwrap().job;
+        let batch = a
+            .source()
+            .claim(NonZeroUsize::new(1).unwrap(), CancellationToken::new())
+            .await
+            .unwrap();
+        let (mut atts, _) = batch.into_parts();
+        let attempt = atts.pop().unwrap();
+        db.close().await; // The database "disappears" for this worker.
+        let err = attempt.run(CancellationToken::new()).await.unwrap_err();
+        assert!(
+            err.to_string().contains("releasing bulk job"),
+            "{d}: fail-stop, {err}"
+        );
+        // A restarted worker (fresh pool) recovers once the lease ends.
+        let b = Bulk::without_migrations(t.db.clone(), 1, BulkOptions::default().config(cfg));
+        drain(&b, 1, &[id]).await;
+        assert_eq!(b.status(id).await.unwrap().unwrap().state, "succeeded");
+        assert_eq!(
+            applied(&t.db).await,
+            Applied {
+                changes: 20,
+                duplicated: 0,
+                revision_mismatches: 0
+            }
+        );
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_failure_through_the_controller_poisons_it() {
+    // The controller's fail-stop with a real store: a closed pool makes the release fail.
+    let Some((t, _)) = bulk_on(Dialect::Sqlite, "failstop", 1).await else {
+        return;
+    };
+    let db = nexuscrm_persistence::Db::connect(&t.url).await.unwrap();
+    let a = Bulk::without_migrations(db.clone(), 1, BulkOptions::default().config(test_config()));
+    a.submit(job(0, 10, 5)).await.unwrap();
+    let ctl = Controller::new(a.source(), controller_config("bulk", 1)).unwrap();
+    let handle = ctl.handle();
+    let src = Arc::new(());
+    let _ = src;
+    db.close().await;
+    let err = ctl.run(CancellationToken::new()).await.unwrap_err();
+    assert!(matches!(
+        err.kind(),
+        RunErrorKind::NotReady | RunErrorKind::NotCommitted | RunErrorKind::OutcomeUnknown
+    ));
+    let _ = handle;
+    t.drop_database().await;
+}

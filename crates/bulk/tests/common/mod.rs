@@ -1,0 +1,142 @@
+//! Helpers shared by the Bulk tests: an isolated database per test, sample rows, and checks
+//! that read the database (never the worker's own report).
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use nexuscrm_bulk::{Bulk, BulkConfig, BulkOptions, JobId, NewJob, RowInput};
+use nexuscrm_persistence::sqlx::{self, Row};
+use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_persistence::{Db, Dialect};
+use nexuscrm_worker::{Config, Controller};
+use serde_json::{Map, Value, json};
+use tokio_util::sync::CancellationToken;
+
+pub const DIALECTS: [Dialect; 3] = [Dialect::Sqlite, Dialect::Postgres, Dialect::Mysql];
+
+pub fn test_config() -> BulkConfig {
+    BulkConfig::default()
+        .lease(Duration::from_secs(10))
+        .backoff(Duration::from_millis(50), Duration::from_millis(200))
+        .generation_poll(None)
+}
+
+pub async fn bulk_on(d: Dialect, label: &str, generation: i64) -> Option<(TestDb, Bulk)> {
+    let t = TestDb::create(d, label).await?;
+    let bulk = Bulk::open(
+        t.db.clone(),
+        generation,
+        BulkOptions::default().config(test_config()),
+    )
+    .await
+    .expect("migrate");
+    bulk.take_ownership("test").await.expect("own");
+    Some((t, bulk))
+}
+
+pub fn fields(job: usize, row: usize) -> Map<String, Value> {
+    match json!({"name": format!("record {job}-{row}"), "n": row}) {
+        Value::Object(m) => m,
+        _ => unreachable!(),
+    }
+}
+
+pub fn rows(job: usize, n: usize) -> Vec<RowInput> {
+    (0..n)
+        .map(|i| RowInput::new(format!("rec-{job}-{i}"), fields(job, i)))
+        .collect()
+}
+
+pub fn job(job: usize, n: usize, segment: u32) -> NewJob {
+    let mut j = NewJob::new(format!("job-{job}"), rows(job, n));
+    j.segment_size = Some(segment);
+    j
+}
+
+pub fn controller_config(name: &str, capacity: usize) -> Config {
+    Config::new(name)
+        .capacity(NonZeroUsize::new(capacity).unwrap())
+        .shutdown_timeout(Duration::from_secs(20))
+}
+
+/// Runs a controller over `bulk` until every listed job is terminal, then drains it.
+pub async fn drain(bulk: &Bulk, capacity: usize, jobs: &[JobId]) {
+    let ctl = Controller::new(bulk.source(), controller_config("bulk", capacity)).unwrap();
+    bulk.set_waker(ctl.waker());
+    let cancel = CancellationToken::new();
+    let mut run = tokio::spawn(ctl.run(cancel.clone()));
+    tokio::select! {
+        () = wait_terminal(bulk, jobs, Duration::from_secs(120)) => {}
+        r = &mut run => panic!("the controller stopped before the jobs were done: {:?}", r.unwrap().err()),
+    }
+    cancel.cancel();
+    run.await.unwrap().expect("clean drain");
+}
+
+pub async fn wait_terminal(bulk: &Bulk, jobs: &[JobId], within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let mut all = true;
+        for j in jobs {
+            let s = bulk.status(*j).await.unwrap().expect("job exists");
+            if !s.is_terminal() {
+                all = false;
+                break;
+            }
+        }
+        if all {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let mut states = Vec::new();
+            for j in jobs.iter().take(5) {
+                states.push(bulk.status(*j).await.unwrap());
+            }
+            panic!(
+                "jobs not terminal within {within:?} on {}: {states:#?}",
+                bulk.db().dialect()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn scalar(db: &Db, sql: &str) -> i64 {
+    sqlx::query(sql)
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+        .try_get::<i64, _>(0)
+        .unwrap()
+}
+
+/// What the database says was applied.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Applied {
+    /// Change-log rows.
+    pub changes: i64,
+    /// (job, ordinal) pairs applied more than once.
+    pub duplicated: i64,
+    /// Records whose revision differs from their change count.
+    pub revision_mismatches: i64,
+}
+
+pub async fn applied(db: &Db) -> Applied {
+    Applied {
+        changes: scalar(db, "SELECT COUNT(*) FROM crm_record_change").await,
+        duplicated: scalar(
+            db,
+            "SELECT COUNT(*) FROM (SELECT job_id, ordinal FROM crm_record_change \
+             GROUP BY job_id, ordinal HAVING COUNT(*) > 1) d",
+        )
+        .await,
+        revision_mismatches: scalar(
+            db,
+            "SELECT COUNT(*) FROM crm_record r WHERE r.revision <> \
+             (SELECT COUNT(*) FROM crm_record_change c WHERE c.record_key = r.record_key)",
+        )
+        .await,
+    }
+}

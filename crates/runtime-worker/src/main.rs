@@ -1,0 +1,418 @@
+//! `nexuscrm-runtime-worker`: the Runtime Worker process.
+//!
+//! Exit codes: 0 after a clean drain; 1 for bad input or an unreachable database; 2 when a
+//! controller was poisoned (an attempt failed, an outcome-unknown store error, or a drain that
+//! overran its bound): the supervisor must replace the process.
+
+#![forbid(unsafe_code)]
+
+use std::num::NonZeroUsize;
+use std::process::ExitCode;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use clap::{Parser, Subcommand};
+use nexuscrm_bulk::{Bulk, BulkOptions, JobId, NewJob, RowInput};
+use nexuscrm_persistence::Db;
+use nexuscrm_worker::{Config, Controller};
+use serde_json::{Map, Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// The default database: an embedded SQLite file in the current directory.
+const DEFAULT_DATABASE: &str = "sqlite://nexuscrm-worker.db";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "nexuscrm-runtime-worker",
+    version,
+    about = "The NexusCRM Runtime Worker"
+)]
+struct Cli {
+    /// Database URL: sqlite://FILE (default), postgres://…, mysql://…
+    #[arg(long, global = true, env = "NEXUSCRM_DATABASE_URL", default_value = DEFAULT_DATABASE)]
+    database_url: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start the worker, submit sample Bulk work, show progress until done, print the snapshot.
+    Demo {
+        /// Sample jobs to submit.
+        #[arg(long, default_value_t = 5)]
+        jobs: usize,
+        /// Rows per sample job.
+        #[arg(long, default_value_t = 400)]
+        rows: usize,
+    },
+    /// Run the worker until SIGINT/SIGTERM, then drain.
+    Run {
+        /// This deployment's generation (a newer one fences older ones out).
+        #[arg(long, env = "NEXUSCRM_GENERATION", default_value_t = 1)]
+        generation: i64,
+        /// Concurrent Bulk attempts.
+        #[arg(long, default_value_t = 4)]
+        bulk_capacity: usize,
+        /// Drain bound after a stop signal, in seconds.
+        #[arg(long, default_value_t = 30)]
+        shutdown_timeout_secs: u64,
+    },
+    /// Apply the database migrations and exit.
+    Migrate,
+    /// Bulk jobs: submit, status, list.
+    Bulk {
+        #[command(subcommand)]
+        command: BulkCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum BulkCommand {
+    /// Accept a job (acknowledged only after commit); prints the job id.
+    Submit {
+        /// Idempotency key (default: generated).
+        #[arg(long)]
+        key: Option<String>,
+        /// A generated sample of N rows.
+        #[arg(long, conflicts_with = "file")]
+        sample: Option<usize>,
+        /// A JSON Lines file: one {"record_key": "...", "fields": {...}} per line.
+        #[arg(long)]
+        file: Option<std::path::PathBuf>,
+        /// Rows per segment.
+        #[arg(long)]
+        segment_size: Option<u32>,
+    },
+    /// One job's status.
+    Status {
+        /// The job id.
+        job: i64,
+    },
+    /// The newest jobs.
+    List {
+        /// How many.
+        #[arg(long, default_value_t = 20)]
+        limit: i64,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+type AnyError = Box<dyn std::error::Error + Send + Sync>;
+
+async fn open(url: &str, generation: i64) -> Result<Bulk, AnyError> {
+    let db = Db::connect(url).await?;
+    Ok(Bulk::open(db, generation, BulkOptions::default()).await?)
+}
+
+async fn run(cli: Cli) -> Result<ExitCode, AnyError> {
+    match cli.command {
+        Command::Migrate => {
+            let bulk = open(&cli.database_url, 1).await?;
+            println!("migrated {} ({})", bulk.db().url(), bulk.db().dialect());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bulk { command } => bulk_command(&cli.database_url, command).await,
+        Command::Run {
+            generation,
+            bulk_capacity,
+            shutdown_timeout_secs,
+        } => {
+            let bulk = open(&cli.database_url, generation).await?;
+            bulk.take_ownership(&owner()).await?;
+            let capacity =
+                NonZeroUsize::new(bulk_capacity).ok_or("--bulk-capacity must be at least 1")?;
+            let config = Config::new("bulk")
+                .capacity(capacity)
+                .shutdown_timeout(Duration::from_secs(shutdown_timeout_secs));
+            let ctl = Controller::new(bulk.source(), config)?;
+            bulk.set_waker(ctl.waker());
+            let cancel = CancellationToken::new();
+            let signals = tokio::spawn(stop_on_signal(cancel.clone()));
+            eprintln!(
+                "nexuscrm-runtime-worker: running bulk on {} (generation {generation})",
+                bulk.db().url()
+            );
+            let result = ctl.run(cancel).await;
+            signals.abort();
+            Ok(exit_for(
+                result
+                    .map(drop)
+                    .map_err(|e| (e.is_poisoned(), e.to_string())),
+            ))
+        }
+        Command::Demo { jobs, rows } => demo(&cli.database_url, jobs, rows).await,
+    }
+}
+
+fn owner() -> String {
+    format!("pid-{}", std::process::id())
+}
+
+fn exit_for(result: Result<(), (bool, String)>) -> ExitCode {
+    match result {
+        Ok(()) => {
+            eprintln!("nexuscrm-runtime-worker: drained cleanly");
+            ExitCode::SUCCESS
+        }
+        Err((true, e)) => {
+            eprintln!("nexuscrm-runtime-worker: {e}");
+            ExitCode::from(2)
+        }
+        Err((false, e)) => {
+            eprintln!("nexuscrm-runtime-worker: stopped: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn stop_on_signal(cancel: CancellationToken) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("nexuscrm-runtime-worker: stop signal: draining");
+        cancel.cancel();
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("nexuscrm-runtime-worker: second signal: exiting at once");
+        std::process::exit(130);
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        cancel.cancel();
+    }
+}
+
+fn sample_rows(prefix: &str, n: usize) -> Vec<RowInput> {
+    (0..n)
+        .map(|i| {
+            let fields = match json!({"name": format!("Contact {i}"), "email": format!("contact{i}@example.com")}) {
+                Value::Object(m) => m,
+                _ => Map::new(),
+            };
+            RowInput::new(format!("{prefix}-{i}"), fields)
+        })
+        .collect()
+}
+
+fn stamp() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+async fn bulk_command(url: &str, command: BulkCommand) -> Result<ExitCode, AnyError> {
+    let bulk = open(url, 1).await?;
+    match command {
+        BulkCommand::Submit {
+            key,
+            sample,
+            file,
+            segment_size,
+        } => {
+            let key = key.unwrap_or_else(|| format!("cli-{}", stamp()));
+            let rows = match (sample, file) {
+                (Some(n), None) => sample_rows(&key, n),
+                (None, Some(path)) => read_jsonl(&path)?,
+                _ => return Err("give --sample N or --file PATH".into()),
+            };
+            let mut job = NewJob::new(key, rows);
+            job.segment_size = segment_size;
+            let s = bulk.submit(job).await?;
+            println!("{}", s.job);
+            if !s.created {
+                eprintln!("(an existing job with this idempotency key)");
+            }
+        }
+        BulkCommand::Status { job } => match bulk.status(JobId(job)).await? {
+            Some(s) => println!(
+                "job {} [{}] {}: {}/{} rows applied, {} rejected, {} attempt(s){}",
+                s.id,
+                s.idempotency_key,
+                s.state,
+                s.applied_rows,
+                s.total_rows,
+                s.rejected_rows,
+                s.attempts,
+                s.last_error
+                    .map(|e| format!(", last error: {e}"))
+                    .unwrap_or_default()
+            ),
+            None => return Err(format!("no bulk job {job}").into()),
+        },
+        BulkCommand::List { limit } => {
+            println!(
+                "{:>6}  {:<10}  {:>9}  {:>9}  key",
+                "id", "state", "applied", "total"
+            );
+            for s in bulk.list(limit).await? {
+                println!(
+                    "{:>6}  {:<10}  {:>9}  {:>9}  {}",
+                    s.id, s.state, s.applied_rows, s.total_rows, s.idempotency_key
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn read_jsonl(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut rows = Vec::new();
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: Value = serde_json::from_str(line)
+            .map_err(|e| format!("{}:{}: not JSON: {e}", path.display(), n + 1))?;
+        let key = v.get("record_key").and_then(Value::as_str).ok_or_else(|| {
+            format!(
+                "{}:{}: missing string \"record_key\"",
+                path.display(),
+                n + 1
+            )
+        })?;
+        let fields = match v.get("fields") {
+            Some(Value::Object(m)) => m.clone(),
+            None => Map::new(),
+            Some(_) => {
+                return Err(
+                    format!("{}:{}: \"fields\" must be an object", path.display(), n + 1).into(),
+                );
+            }
+        };
+        rows.push(RowInput::new(key, fields));
+    }
+    Ok(rows)
+}
+
+async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError> {
+    let bulk = open(url, 1).await?;
+    bulk.take_ownership(&owner()).await?;
+    let config = Config::new("bulk").capacity(NonZeroUsize::new(4).expect("4"));
+    let ctl = Controller::new(bulk.source(), config)?;
+    let handle = ctl.handle();
+    bulk.set_waker(ctl.waker());
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(ctl.run(cancel.clone()));
+    if !handle.ready().await {
+        return Err("the bulk controller stopped before it was ready".into());
+    }
+    println!(
+        "Runtime Worker demo on {} ({})",
+        bulk.db().url(),
+        bulk.db().dialect()
+    );
+    let run_id = stamp();
+    let mut ids = Vec::new();
+    for j in 0..jobs {
+        let key = format!("demo-{run_id}-{j}");
+        let mut job = NewJob::new(key.clone(), sample_rows(&key, rows));
+        job.segment_size = Some(50);
+        let s = bulk.submit(job).await?;
+        println!(
+            "  accepted bulk job {} ({} rows, acknowledged after commit)",
+            s.job, rows
+        );
+        ids.push(s.job);
+    }
+    let started = Instant::now();
+    let total = (jobs * rows) as i64;
+    loop {
+        let mut applied = 0;
+        let mut terminal = 0;
+        for id in &ids {
+            if let Some(s) = bulk.status(*id).await? {
+                applied += s.applied_rows + s.rejected_rows;
+                terminal += usize::from(s.is_terminal());
+            }
+        }
+        let width = 30;
+        let filled = if total == 0 {
+            width
+        } else {
+            (applied * width as i64 / total) as usize
+        };
+        print!(
+            "\r  bulk [{}{}] {applied}/{total} rows, {terminal}/{jobs} jobs",
+            "#".repeat(filled),
+            "-".repeat(width - filled)
+        );
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+        if terminal == jobs {
+            break;
+        }
+        if run.is_finished() {
+            println!();
+            return Err("the bulk controller stopped before the work was done".into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!("\n  done in {:.2?}", started.elapsed());
+    cancel.cancel();
+    let result = run.await?;
+    let snap = handle.snapshot();
+    println!("\nController snapshot (bulk):");
+    println!(
+        "  claims {}  attempts claimed {}  completed {}  failed {}",
+        snap.claim_calls, snap.attempts_claimed, snap.attempts_completed, snap.attempts_failed
+    );
+    println!(
+        "  reconciles {} (startup {}, requested {}, backstop {})",
+        snap.reconciles.total(),
+        snap.reconciles.startup,
+        snap.reconciles.requested,
+        snap.reconciles.backstop
+    );
+    println!(
+        "  next_work_at {}  timers armed {} fired {}  overdue suppressed {}",
+        snap.next_work_at_calls, snap.timers_armed, snap.timers_fired, snap.overdue_suppressed
+    );
+    println!(
+        "  wakes received {} coalesced {}  poisoned {:?}",
+        snap.wakes_received, snap.wakes_coalesced, snap.poisoned
+    );
+    let o = bulk.observations().await?;
+    println!(
+        "Bulk observations: pending {}  running {}  succeeded {}  poisoned {}",
+        o.pending, o.running, o.succeeded, o.poisoned
+    );
+    Ok(exit_for(
+        result
+            .map(drop)
+            .map_err(|e| (e.is_poisoned(), e.to_string())),
+    ))
+}
