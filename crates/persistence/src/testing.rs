@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use sqlx::Executor;
+use sqlx::{Executor, Row};
 
 use crate::{Db, DbOptions, Dialect};
 
@@ -60,6 +60,59 @@ fn with_database(url: &str, name: &str) -> String {
     match query {
         Some(q) => format!("{base}/{name}?{q}"),
         None => format!("{base}/{name}"),
+    }
+}
+
+/// Drops test databases left by test processes that no longer run (a crashed or killed run
+/// cannot clean up after itself). Names end in `_<pid>_<n>_<nanos>`; a live pid is never touched.
+async fn purge_stale(admin: &Db, dialect: Dialect) {
+    static DONE: [std::sync::atomic::AtomicBool; 3] =
+        [const { std::sync::atomic::AtomicBool::new(false) }; 3];
+    let slot = match dialect {
+        Dialect::Sqlite => 0,
+        Dialect::Postgres => 1,
+        Dialect::Mysql => 2,
+    };
+    if DONE[slot].swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let list = match dialect {
+        Dialect::Postgres => {
+            "SELECT CAST(datname AS TEXT) FROM pg_database WHERE datname LIKE 't\\_%'"
+        }
+        _ => {
+            "SELECT CAST(schema_name AS CHAR(255)) FROM information_schema.schemata WHERE schema_name LIKE 't\\_%'"
+        }
+    };
+    let names = match sqlx::query(list).fetch_all(admin.pool()).await {
+        Ok(rows) => rows
+            .iter()
+            .filter_map(|r| {
+                r.try_get::<String, _>(0).ok().or_else(|| {
+                    r.try_get::<Vec<u8>, _>(0)
+                        .ok()
+                        .and_then(|b| String::from_utf8(b).ok())
+                })
+            })
+            .collect::<Vec<_>>(),
+        Err(e) => {
+            eprintln!("note: cannot list stale test databases: {e}");
+            return;
+        }
+    };
+    for name in names {
+        let parts: Vec<&str> = name.rsplitn(4, '_').collect();
+        let Some(pid) = parts.get(2).and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == std::process::id() || std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let sql = match dialect {
+            Dialect::Postgres => format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+            _ => format!("DROP DATABASE IF EXISTS {name}"),
+        };
+        let _ = admin.pool().execute(sql.as_str()).await;
     }
 }
 
@@ -121,6 +174,7 @@ impl TestDb {
                     return None;
                 }
             };
+        purge_stale(&admin, dialect).await;
         admin
             .pool()
             .execute(format!("CREATE DATABASE {name}").as_str())
