@@ -27,7 +27,7 @@ use nexuscrm_worker::{Declaration, Durability, Effect};
 
 pub use source::{BulkAttempt, BulkSource};
 pub use store::{
-    Bulk, BulkConfig, BulkError, BulkErrorKind, BulkOptions, JobId, JobStatus, MAX_ROWS,
+    Bulk, BulkConfig, BulkError, BulkErrorKind, BulkOptions, CHANNEL, JobId, JobStatus, MAX_ROWS,
     MAX_SEGMENT_SIZE, MIGRATIONS, NewJob, Observations, RowInput, Submitted,
 };
 

@@ -3,6 +3,7 @@
 use std::num::NonZeroUsize;
 use std::time::{Duration, SystemTime};
 
+use nexuscrm_persistence::sqlx::postgres::PgListener;
 use nexuscrm_persistence::sqlx::{self, Row};
 use nexuscrm_persistence::{Dialect, WriteError};
 use nexuscrm_worker::fault::CrashPoint;
@@ -10,7 +11,7 @@ use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, Sou
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
-use crate::store::{Bulk, from_ms, queries, row_problem, text, to_ms};
+use crate::store::{Bulk, CHANNEL, from_ms, queries, row_problem, text, to_ms};
 
 /// The Bulk family's [`Source`]: claims due jobs (and jobs whose lease expired), answers
 /// `next_work_at` from two indexed reads, and releases jobs leased by older generations on
@@ -274,7 +275,20 @@ impl Source for BulkSource {
         &self,
         cancel: CancellationToken,
     ) -> Result<Option<Generation>, SourceError> {
-        if self.bulk.inner.cfg.generation_poll.is_none() {
+        let inner = &self.bulk.inner;
+        if inner.listens() {
+            // LISTEN before reading the cursor, so no commit between the two is missed.
+            let mut guard = inner.listener.lock().await;
+            if guard.is_none() {
+                let mut l = tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => return Err(SourceError::not_committed("cancelled")),
+                    l = PgListener::connect(inner.db.connect_url()) => l.map_err(SourceError::new)?,
+                };
+                l.listen(CHANNEL).await.map_err(SourceError::new)?;
+                *guard = Some(l);
+            }
+        } else if inner.cfg.generation_poll.is_none() {
             return Ok(None);
         }
         tokio::select! {
@@ -289,12 +303,39 @@ impl Source for BulkSource {
         seen: Generation,
         cancel: CancellationToken,
     ) -> Result<Generation, SourceError> {
-        let every = self
-            .bulk
-            .inner
-            .cfg
-            .generation_poll
-            .unwrap_or(Duration::from_secs(5));
+        let inner = &self.bulk.inner;
+        if inner.listens() {
+            loop {
+                let mut guard = inner.listener.lock().await;
+                let Some(listener) = guard.as_mut() else {
+                    return Err(SourceError::new("not listening"));
+                };
+                let received = tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => return Ok(seen),
+                    r = listener.try_recv() => r,
+                };
+                match received {
+                    Ok(Some(_)) => {
+                        drop(guard);
+                        let now = self.max_id().await?;
+                        if now != seen {
+                            return Ok(now);
+                        }
+                    }
+                    // The connection was lost: notifications may have been missed.
+                    Ok(None) => {
+                        *guard = None;
+                        return Err(SourceError::new("the LISTEN connection was lost"));
+                    }
+                    Err(e) => {
+                        *guard = None;
+                        return Err(SourceError::new(e));
+                    }
+                }
+            }
+        }
+        let every = inner.cfg.generation_poll.unwrap_or(Duration::from_secs(5));
         loop {
             tokio::select! {
                 biased;

@@ -50,6 +50,7 @@ pub struct BulkConfig {
     pub(crate) backoff_base: Duration,
     pub(crate) backoff_max: Duration,
     pub(crate) generation_poll: Option<Duration>,
+    pub(crate) listen: bool,
 }
 
 impl Default for BulkConfig {
@@ -61,6 +62,7 @@ impl Default for BulkConfig {
             backoff_base: Duration::from_secs(1),
             backoff_max: Duration::from_secs(300),
             generation_poll: Some(Duration::from_secs(5)),
+            listen: true,
         }
     }
 }
@@ -94,6 +96,18 @@ impl BulkConfig {
     pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
         self.backoff_base = base;
         self.backoff_max = max.max(base);
+        self
+    }
+
+    /// On PostgreSQL, use `LISTEN nexuscrm_bulk` as the cross-process generation probe: no query
+    /// while idle; producers `NOTIFY` after commit, outside the claim path, with an empty
+    /// payload. It is a lossy hint: a lost connection is reported as a generation loss (the
+    /// controller reconciles), and reconciliation and the due timer carry correctness. By default
+    /// on; turn it off behind a transaction-pooling proxy, where `LISTEN` does not work, to fall
+    /// back to [`generation_poll`](BulkConfig::generation_poll). Ignored on other backends.
+    #[must_use]
+    pub fn listen(mut self, on: bool) -> Self {
+        self.listen = on;
         self
     }
 
@@ -338,6 +352,16 @@ pub(crate) struct Inner {
     pub(crate) faults: Faults,
     pub(crate) fence: Fence,
     pub(crate) waker: OnceLock<nexuscrm_worker::Waker>,
+    pub(crate) listener: tokio::sync::Mutex<Option<sqlx::postgres::PgListener>>,
+}
+
+/// The PostgreSQL notification channel of the Bulk family.
+pub const CHANNEL: &str = "nexuscrm_bulk";
+
+impl Inner {
+    pub(crate) fn listens(&self) -> bool {
+        self.cfg.listen && self.db.dialect() == Dialect::Postgres
+    }
 }
 
 impl fmt::Debug for Bulk {
@@ -414,6 +438,7 @@ impl Bulk {
                 faults: options.faults,
                 fence: Fence::new(FAMILY, generation),
                 waker: OnceLock::new(),
+                listener: tokio::sync::Mutex::new(None),
             }),
         }
     }
@@ -597,6 +622,12 @@ impl Bulk {
         inner.faults.hit(CrashPoint::AfterAcceptance)?;
         if let Some(w) = inner.waker.get() {
             w.wake();
+        }
+        if inner.listens() && submitted.created {
+            // A lossy cross-process hint, after commit and outside any claim transaction.
+            let _ = sqlx::query("SELECT pg_notify('nexuscrm_bulk', '')")
+                .execute(inner.db.pool())
+                .await;
         }
         Ok(submitted)
     }

@@ -412,3 +412,52 @@ async fn an_attempt_failure_through_the_controller_poisons_it() {
     let _ = handle;
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_postgres_worker_listening_for_notifications_issues_no_queries() {
+    let Some((t, bulk)) = bulk_on(Dialect::Postgres, "idle", 1).await else {
+        return;
+    };
+    let cfg = test_config().listen(true);
+    let bulk = Bulk::without_migrations(bulk.db().clone(), 1, BulkOptions::default().config(cfg));
+    let ctl = Controller::new(bulk.source(), controller_config("bulk", 2)).unwrap();
+    let handle = ctl.handle();
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(ctl.run(cancel.clone()));
+    assert!(handle.ready().await);
+    // Let the startup claim turn finish.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let since: i64 =
+        sqlx::query_scalar("SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)")
+            .fetch_one(t.db.pool())
+            .await
+            .unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Statements started by any other session of this database during the idle window
+    // (pg_stat_activity shows each session's latest statement and when it started).
+    let busy: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND pid <> pg_backend_pid() AND query NOT LIKE '%pg_stat_activity%' \
+         AND query NOT LIKE '%clock_timestamp%' \
+         AND CAST(EXTRACT(EPOCH FROM query_start) * 1000 AS BIGINT) > $1",
+    )
+    .bind(since)
+    .fetch_one(t.db.pool())
+    .await
+    .unwrap();
+    assert_eq!(busy, 0, "an idle worker issued statements");
+    let snap = handle.snapshot();
+    assert_eq!((snap.claim_calls, snap.next_work_at_calls), (1, 1));
+    // A producer in another process is still noticed at once, through NOTIFY.
+    let other = Bulk::without_migrations(
+        t.db.clone(),
+        1,
+        BulkOptions::default().config(test_config().listen(true)),
+    );
+    let id = other.submit(job(0, 5, 5)).await.unwrap().job;
+    wait_terminal(&bulk, &[id], Duration::from_secs(10)).await;
+    assert!(handle.snapshot().generation_changes >= 1);
+    cancel.cancel();
+    run.await.unwrap().unwrap();
+    t.drop_database().await;
+}

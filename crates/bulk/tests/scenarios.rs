@@ -72,6 +72,20 @@ impl ScenarioAdapter for BulkScenarios {
         other.submit(job(2_000_000, 3, 10)).await?;
         Ok(true)
     }
+
+    async fn break_generation(&self, source: &BulkSource) -> Result<bool, BoxError> {
+        if self.dialect != Dialect::Postgres {
+            return Ok(false);
+        }
+        // Kill the LISTEN connection, as a proxy restart or network cut would.
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = current_database() AND query LIKE 'LISTEN%' AND pid <> pg_backend_pid()",
+        )
+        .execute(source.bulk().db().pool())
+        .await?;
+        Ok(true)
+    }
 }
 
 async fn run(dialect: Dialect) {

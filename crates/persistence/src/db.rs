@@ -90,6 +90,7 @@ pub struct Db {
     dialect: Dialect,
     tidb: bool,
     url_redacted: String,
+    url: String,
 }
 
 impl fmt::Debug for Db {
@@ -197,6 +198,7 @@ impl Db {
             dialect,
             tidb,
             url_redacted: shown,
+            url,
         })
     }
 
@@ -218,6 +220,13 @@ impl Db {
     #[must_use]
     pub fn pool(&self) -> &AnyPool {
         &self.pool
+    }
+
+    /// The URL this handle connected with, credentials included: for opening a dedicated
+    /// connection (a PostgreSQL `LISTEN`). Never log it; use [`Db::url`].
+    #[must_use]
+    pub fn connect_url(&self) -> &str {
+        &self.url
     }
 
     /// The URL with any password hidden.
