@@ -90,7 +90,7 @@ pub struct Db {
     dialect: Dialect,
     tidb: bool,
     url_redacted: String,
-    url: String,
+    secret_url: String,
 }
 
 impl fmt::Debug for Db {
@@ -198,7 +198,7 @@ impl Db {
             dialect,
             tidb,
             url_redacted: shown,
-            url,
+            secret_url: url,
         })
     }
 
@@ -226,7 +226,7 @@ impl Db {
     /// connection (a PostgreSQL `LISTEN`). Never log it; use [`Db::url`].
     #[must_use]
     pub fn connect_url(&self) -> &str {
-        &self.url
+        &self.secret_url
     }
 
     /// The URL with any password hidden.
