@@ -457,7 +457,8 @@ impl BulkAttempt {
         let dialect = db.dialect();
         let q = queries(dialect);
         let now = to_ms(inner.clock.now());
-        let lease_until = now + inner.cfg.lease.as_millis() as i64;
+        let lease_ms = inner.cfg.lease.as_millis() as i64;
+        let clock = inner.clock.clone();
         let (id, token) = (self.job.id, self.token.clone());
         inner
             .db
@@ -529,6 +530,8 @@ impl BulkAttempt {
                         applied += 1;
                     }
                     let done = next >= total || rows.is_empty();
+                    // The renewed lease counts from the commit, not from the segment's start.
+                    let lease_until = to_ms(clock.now()) + lease_ms;
                     let state = if done { "succeeded" } else { "running" };
                     let keep_token: Option<&str> = if done { None } else { Some(token.as_str()) };
                     let r = sqlx::query(q.get("segment_commit"))

@@ -17,8 +17,11 @@ use nexuscrm_worker::{Config, Controller};
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
-/// The default database: an embedded SQLite file in the current directory.
-const DEFAULT_DATABASE: &str = "sqlite://nexuscrm-worker.db";
+mod admin;
+mod config;
+mod supervise;
+
+use config::RawConfig;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -27,9 +30,16 @@ const DEFAULT_DATABASE: &str = "sqlite://nexuscrm-worker.db";
     about = "The NexusCRM Runtime Worker"
 )]
 struct Cli {
-    /// Database URL: sqlite://FILE (default), postgres://…, mysql://…
-    #[arg(long, global = true, env = "NEXUSCRM_DATABASE_URL", default_value = DEFAULT_DATABASE)]
-    database_url: String,
+    /// Database URL: sqlite://FILE (default sqlite://nexuscrm-worker.db), postgres://…, mysql://…
+    /// [env: NEXUSCRM_DATABASE_URL]
+    #[arg(long, global = true)]
+    database_url: Option<String>,
+    /// A TOML config file (overridden by NEXUSCRM_* environment variables, then by flags).
+    #[arg(long, global = true)]
+    config: Option<std::path::PathBuf>,
+    /// Log format: text (default) or json. [env: NEXUSCRM_LOG_FORMAT]
+    #[arg(long, global = true)]
+    log_format: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -47,15 +57,27 @@ enum Command {
     },
     /// Run the worker until SIGINT/SIGTERM, then drain.
     Run {
-        /// This deployment's generation (a newer one fences older ones out).
-        #[arg(long, env = "NEXUSCRM_GENERATION", default_value_t = 1)]
-        generation: i64,
-        /// Concurrent Bulk attempts.
-        #[arg(long, default_value_t = 4)]
-        bulk_capacity: usize,
-        /// Drain bound after a stop signal, in seconds.
-        #[arg(long, default_value_t = 30)]
-        shutdown_timeout_secs: u64,
+        /// This deployment's generation (a newer one fences older ones out). Default 1.
+        #[arg(long)]
+        generation: Option<i64>,
+        /// Admin HTTP address, loopback only. Default 127.0.0.1:9464.
+        #[arg(long)]
+        admin_addr: Option<String>,
+        /// Concurrent Bulk attempts. Default 4.
+        #[arg(long)]
+        bulk_capacity: Option<usize>,
+        /// Bulk lease, in seconds. Default 30.
+        #[arg(long)]
+        bulk_lease_secs: Option<f64>,
+        /// Drain bound after a stop signal, in seconds. Default 30.
+        #[arg(long)]
+        shutdown_timeout_secs: Option<u64>,
+    },
+    /// Print a running worker's snapshot (from its admin server).
+    Status {
+        /// Admin HTTP address. Default 127.0.0.1:9464.
+        #[arg(long, default_value = config::DEFAULT_ADMIN_ADDR)]
+        admin_addr: String,
     },
     /// Apply the database migrations and exit.
     Migrate,
@@ -98,6 +120,14 @@ enum BulkCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let settings = match settings(&cli) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    init_logs(settings.log_format);
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -105,7 +135,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(run(cli)) {
+    match rt.block_on(run(cli, settings)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -114,54 +144,74 @@ fn main() -> ExitCode {
     }
 }
 
-type AnyError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
 async fn open(url: &str, generation: i64) -> Result<Bulk, AnyError> {
     let db = Db::connect(url).await?;
     Ok(Bulk::open(db, generation, BulkOptions::default()).await?)
 }
 
-async fn run(cli: Cli) -> Result<ExitCode, AnyError> {
+/// File, then environment, then flags.
+fn settings(cli: &Cli) -> Result<config::Settings, String> {
+    let file = match &cli.config {
+        Some(path) => RawConfig::from_file(path)?,
+        None => RawConfig::default(),
+    };
+    let mut flags = RawConfig {
+        database_url: cli.database_url.clone(),
+        log_format: cli.log_format.clone(),
+        ..RawConfig::default()
+    };
+    if let Command::Run {
+        generation,
+        admin_addr,
+        bulk_capacity,
+        bulk_lease_secs,
+        shutdown_timeout_secs,
+    } = &cli.command
+    {
+        flags.generation = *generation;
+        flags.admin_addr = admin_addr.clone();
+        flags.shutdown_timeout_secs = *shutdown_timeout_secs;
+        flags.bulk = Some(config::RawBulk {
+            capacity: *bulk_capacity,
+            lease_secs: *bulk_lease_secs,
+            ..config::RawBulk::default()
+        });
+    }
+    file.overlay(RawConfig::from_env()?)
+        .overlay(flags)
+        .validate()
+}
+
+fn init_logs(format: config::LogFormat) {
+    use std::io::IsTerminal as _;
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal());
+    let _ = match format {
+        config::LogFormat::Json => builder.json().try_init(),
+        config::LogFormat::Text => builder.try_init(),
+    };
+}
+
+async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError> {
+    let url = settings.database_url.clone();
     match cli.command {
+        Command::Status { admin_addr } => supervise::print_status(&admin_addr).await,
         Command::Migrate => {
-            let bulk = open(&cli.database_url, 1).await?;
+            let bulk = open(&url, 1).await?;
             println!("migrated {} ({})", bulk.db().url(), bulk.db().dialect());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Bulk { command } => bulk_command(&cli.database_url, command).await,
-        Command::Run {
-            generation,
-            bulk_capacity,
-            shutdown_timeout_secs,
-        } => {
-            let bulk = open(&cli.database_url, generation).await?;
-            bulk.take_ownership(&owner()).await?;
-            let capacity =
-                NonZeroUsize::new(bulk_capacity).ok_or("--bulk-capacity must be at least 1")?;
-            let config = Config::new("bulk")
-                .capacity(capacity)
-                .shutdown_timeout(Duration::from_secs(shutdown_timeout_secs));
-            let ctl = Controller::new(bulk.source(), config)?;
-            bulk.set_waker(ctl.waker());
-            let cancel = CancellationToken::new();
-            let signals = tokio::spawn(stop_on_signal(cancel.clone()));
-            eprintln!(
-                "nexuscrm-runtime-worker: running bulk on {} (generation {generation})",
-                bulk.db().url()
-            );
-            let result = ctl.run(cancel).await;
-            signals.abort();
-            Ok(exit_for(
-                result
-                    .map(drop)
-                    .map_err(|e| (e.is_poisoned(), e.to_string())),
-            ))
-        }
-        Command::Demo { jobs, rows } => demo(&cli.database_url, jobs, rows).await,
+        Command::Bulk { command } => bulk_command(&url, command).await,
+        Command::Run { .. } => supervise::run(settings).await,
+        Command::Demo { jobs, rows } => demo(&url, jobs, rows).await,
     }
 }
 
-fn owner() -> String {
+pub(crate) fn owner() -> String {
     format!("pid-{}", std::process::id())
 }
 
@@ -182,7 +232,7 @@ fn exit_for(result: Result<(), (bool, String)>) -> ExitCode {
     }
 }
 
-async fn stop_on_signal(cancel: CancellationToken) {
+pub(crate) async fn stop_on_signal(cancel: CancellationToken) {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};

@@ -1,0 +1,316 @@
+//! The admin HTTP server (loopback only): `/livez`, `/readyz`, `/snapshot`, `/metrics`.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use nexuscrm_bulk::{Bulk, Observations};
+use nexuscrm_worker::{ControllerHandle, Declaration, Snapshot};
+use serde_json::{Value, json};
+
+/// One family as the admin server sees it.
+#[derive(Clone, Debug)]
+pub(crate) struct Family {
+    pub(crate) declaration: Declaration,
+    pub(crate) handle: ControllerHandle,
+    pub(crate) bulk: Bulk,
+}
+
+/// Shared admin state.
+#[derive(Clone, Debug)]
+pub(crate) struct Admin {
+    pub(crate) families: Arc<Vec<Family>>,
+}
+
+pub(crate) fn router(admin: Admin) -> Router {
+    Router::new()
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/snapshot", get(snapshot))
+        .route("/metrics", get(metrics))
+        .with_state(admin)
+}
+
+async fn readyz(State(admin): State<Admin>) -> Response {
+    let mut problems = Vec::new();
+    for f in admin.families.iter() {
+        let s = f.handle.snapshot();
+        if let Some(p) = &s.poisoned {
+            problems.push(format!("{}: poisoned: {p}", s.name));
+        } else if !s.ready {
+            problems.push(format!("{}: not ready", s.name));
+        }
+    }
+    if problems.is_empty() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, problems.join("\n") + "\n").into_response()
+    }
+}
+
+fn snapshot_json(s: &Snapshot) -> Value {
+    json!({
+        "name": s.name, "runs": s.runs, "ready": s.ready, "capacity": s.capacity,
+        "in_flight": s.in_flight, "check_ready_calls": s.check_ready_calls,
+        "claim_calls": s.claim_calls, "attempts_claimed": s.attempts_claimed,
+        "attempts_completed": s.attempts_completed, "attempts_failed": s.attempts_failed,
+        "next_work_at_calls": s.next_work_at_calls, "next_work_at_errors": s.next_work_at_errors,
+        "reconciles": {
+            "startup": s.reconciles.startup, "requested": s.reconciles.requested,
+            "generation_change": s.reconciles.generation_change,
+            "generation_loss": s.reconciles.generation_loss, "backstop": s.reconciles.backstop,
+        },
+        "wakes_received": s.wakes_received, "wakes_coalesced": s.wakes_coalesced,
+        "timers_armed": s.timers_armed, "timers_fired": s.timers_fired,
+        "overdue_suppressed": s.overdue_suppressed, "generation_probes": s.generation_probes,
+        "generation_changes": s.generation_changes, "generation_losses": s.generation_losses,
+        "poisoned": s.poisoned,
+    })
+}
+
+fn observations_json(o: &Observations) -> Value {
+    json!({
+        "pending": o.pending, "queue_depth_eligible": o.queue_depth_eligible,
+        "oldest_eligible_age_ms": o.oldest_eligible_age.map(|d| d.as_millis() as u64),
+        "running": o.running, "succeeded": o.succeeded, "poisoned": o.poisoned,
+    })
+}
+
+async fn snapshot(State(admin): State<Admin>) -> Response {
+    let mut families = Vec::new();
+    for f in admin.families.iter() {
+        let observations = match f.bulk.observations().await {
+            Ok(o) => observations_json(&o),
+            Err(e) => json!({ "error": e.to_string() }),
+        };
+        families.push(json!({
+            "family": f.declaration.family(),
+            "declaration": f.declaration.to_string(),
+            "controller": snapshot_json(&f.handle.snapshot()),
+            "observations": observations,
+        }));
+    }
+    axum::Json(json!({ "families": families })).into_response()
+}
+
+/// Stable Prometheus metric names; each with HELP and TYPE.
+const COUNTERS: &[(&str, &str)] = &[
+    ("nexuscrm_worker_runs_total", "Controller runs started."),
+    ("nexuscrm_worker_claim_calls_total", "Source claim calls."),
+    (
+        "nexuscrm_worker_attempts_claimed_total",
+        "Attempts returned by claim.",
+    ),
+    (
+        "nexuscrm_worker_attempts_completed_total",
+        "Attempts that returned.",
+    ),
+    (
+        "nexuscrm_worker_attempts_failed_total",
+        "Attempts that returned an error or panicked.",
+    ),
+    (
+        "nexuscrm_worker_next_work_at_calls_total",
+        "Source next_work_at calls.",
+    ),
+    (
+        "nexuscrm_worker_reconciles_total",
+        "Reconciliations, by cause.",
+    ),
+    ("nexuscrm_worker_wakes_received_total", "Wakes received."),
+    (
+        "nexuscrm_worker_wakes_coalesced_total",
+        "Wakes absorbed by a pending turn.",
+    ),
+    (
+        "nexuscrm_worker_timers_armed_total",
+        "Exact due timers armed.",
+    ),
+    (
+        "nexuscrm_worker_timers_fired_total",
+        "Exact due timers fired.",
+    ),
+    (
+        "nexuscrm_worker_overdue_suppressed_total",
+        "Already-due next_work_at answers not re-armed.",
+    ),
+    (
+        "nexuscrm_worker_generation_changes_total",
+        "Generation changes observed.",
+    ),
+    (
+        "nexuscrm_worker_generation_losses_total",
+        "Generation probe losses.",
+    ),
+];
+
+async fn metrics(State(admin): State<Admin>) -> Response {
+    let mut out = String::new();
+    let mut values: Vec<(String, String, f64)> = Vec::new();
+    let mut gauges: Vec<(String, String, f64)> = Vec::new();
+    for f in admin.families.iter() {
+        let s = f.handle.snapshot();
+        let fam = f.declaration.family().to_owned();
+        let l = format!("family=\"{fam}\"");
+        let r = s.reconciles;
+        values.push((
+            "nexuscrm_worker_runs_total".into(),
+            l.clone(),
+            s.runs as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_claim_calls_total".into(),
+            l.clone(),
+            s.claim_calls as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_attempts_claimed_total".into(),
+            l.clone(),
+            s.attempts_claimed as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_attempts_completed_total".into(),
+            l.clone(),
+            s.attempts_completed as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_attempts_failed_total".into(),
+            l.clone(),
+            s.attempts_failed as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_next_work_at_calls_total".into(),
+            l.clone(),
+            s.next_work_at_calls as f64,
+        ));
+        for (cause, n) in [
+            ("startup", r.startup),
+            ("requested", r.requested),
+            ("generation_change", r.generation_change),
+            ("generation_loss", r.generation_loss),
+            ("backstop", r.backstop),
+        ] {
+            values.push((
+                "nexuscrm_worker_reconciles_total".into(),
+                format!("{l},cause=\"{cause}\""),
+                n as f64,
+            ));
+        }
+        values.push((
+            "nexuscrm_worker_wakes_received_total".into(),
+            l.clone(),
+            s.wakes_received as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_wakes_coalesced_total".into(),
+            l.clone(),
+            s.wakes_coalesced as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_timers_armed_total".into(),
+            l.clone(),
+            s.timers_armed as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_timers_fired_total".into(),
+            l.clone(),
+            s.timers_fired as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_overdue_suppressed_total".into(),
+            l.clone(),
+            s.overdue_suppressed as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_generation_changes_total".into(),
+            l.clone(),
+            s.generation_changes as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_generation_losses_total".into(),
+            l.clone(),
+            s.generation_losses as f64,
+        ));
+        gauges.push((
+            "nexuscrm_worker_ready".into(),
+            l.clone(),
+            f64::from(u8::from(s.ready)),
+        ));
+        gauges.push((
+            "nexuscrm_worker_poisoned".into(),
+            l.clone(),
+            f64::from(u8::from(s.poisoned.is_some())),
+        ));
+        gauges.push((
+            "nexuscrm_worker_in_flight".into(),
+            l.clone(),
+            s.in_flight as f64,
+        ));
+        gauges.push((
+            "nexuscrm_worker_capacity".into(),
+            l.clone(),
+            s.capacity as f64,
+        ));
+        if let Ok(o) = f.bulk.observations().await {
+            for (state, n) in [
+                ("pending", o.pending),
+                ("running", o.running),
+                ("succeeded", o.succeeded),
+                ("poisoned", o.poisoned),
+            ] {
+                gauges.push((
+                    "nexuscrm_queue_jobs".into(),
+                    format!("{l},state=\"{state}\""),
+                    n as f64,
+                ));
+            }
+            gauges.push((
+                "nexuscrm_queue_eligible".into(),
+                l.clone(),
+                o.queue_depth_eligible as f64,
+            ));
+            gauges.push((
+                "nexuscrm_queue_oldest_eligible_age_seconds".into(),
+                l.clone(),
+                o.oldest_eligible_age.map_or(0.0, |d| d.as_secs_f64()),
+            ));
+        }
+    }
+    for (name, help) in COUNTERS {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for (n, labels, v) in values.iter().filter(|(n, _, _)| n == name) {
+            let _ = writeln!(out, "{n}{{{labels}}} {v}");
+        }
+    }
+    for (name, help) in [
+        (
+            "nexuscrm_worker_ready",
+            "1 when the controller reported Ready and is not poisoned.",
+        ),
+        (
+            "nexuscrm_worker_poisoned",
+            "1 when the controller is poisoned.",
+        ),
+        ("nexuscrm_worker_in_flight", "Attempts executing now."),
+        ("nexuscrm_worker_capacity", "Configured capacity."),
+        ("nexuscrm_queue_jobs", "Jobs by state (domain observation)."),
+        (
+            "nexuscrm_queue_eligible",
+            "Jobs eligible now (domain observation).",
+        ),
+        (
+            "nexuscrm_queue_oldest_eligible_age_seconds",
+            "Age of the oldest eligible job (domain observation).",
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for (n, labels, v) in gauges.iter().filter(|(n, _, _)| n == name) {
+            let _ = writeln!(out, "{n}{{{labels}}} {v}");
+        }
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}

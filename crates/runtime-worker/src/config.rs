@@ -1,0 +1,300 @@
+//! Settings: a TOML file, then environment variables, then flags (each overrides the one
+//! before), validated once into [`Settings`].
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The default database: an embedded SQLite file in the current directory.
+pub(crate) const DEFAULT_DATABASE: &str = "sqlite://nexuscrm-worker.db";
+/// The default admin address (loopback only).
+pub(crate) const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9464";
+
+/// The config file's shape. Every key is optional; unknown keys are rejected.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawConfig {
+    pub(crate) database_url: Option<String>,
+    pub(crate) generation: Option<i64>,
+    pub(crate) admin_addr: Option<String>,
+    pub(crate) shutdown_timeout_secs: Option<u64>,
+    pub(crate) log_format: Option<String>,
+    pub(crate) bulk: Option<RawBulk>,
+}
+
+/// The `[bulk]` table.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawBulk {
+    pub(crate) enabled: Option<bool>,
+    pub(crate) capacity: Option<usize>,
+    pub(crate) reconcile_interval_secs: Option<u64>,
+    pub(crate) lease_secs: Option<f64>,
+    pub(crate) segment_size: Option<u32>,
+    pub(crate) max_attempts: Option<u32>,
+    pub(crate) listen: Option<bool>,
+    pub(crate) generation_poll_secs: Option<u64>,
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Validated settings.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) database_url: String,
+    pub(crate) generation: i64,
+    pub(crate) admin_addr: SocketAddr,
+    pub(crate) shutdown_timeout: Duration,
+    pub(crate) log_format: LogFormat,
+    pub(crate) bulk: BulkSettings,
+}
+
+/// Validated `[bulk]` settings.
+#[derive(Debug, Clone)]
+pub(crate) struct BulkSettings {
+    pub(crate) enabled: bool,
+    pub(crate) capacity: usize,
+    pub(crate) reconcile_interval: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) segment_size: u32,
+    pub(crate) max_attempts: u32,
+    pub(crate) listen: bool,
+    pub(crate) generation_poll: Duration,
+}
+
+pub(crate) fn bad(key: &str, why: impl std::fmt::Display) -> String {
+    format!("config key `{key}`: {why}")
+}
+
+impl RawConfig {
+    /// Reads a TOML file.
+    pub(crate) fn from_file(path: &Path) -> Result<RawConfig, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+    }
+
+    /// Overlays `other` (a higher-precedence source) onto `self`.
+    pub(crate) fn overlay(mut self, other: RawConfig) -> RawConfig {
+        macro_rules! take {
+            ($($f:ident),*) => { $( if other.$f.is_some() { self.$f = other.$f; } )* };
+        }
+        take!(
+            database_url,
+            generation,
+            admin_addr,
+            shutdown_timeout_secs,
+            log_format
+        );
+        if let Some(ob) = other.bulk {
+            let mut b = self.bulk.take().unwrap_or_default();
+            macro_rules! takeb {
+                ($($f:ident),*) => { $( if ob.$f.is_some() { b.$f = ob.$f; } )* };
+            }
+            takeb!(
+                enabled,
+                capacity,
+                reconcile_interval_secs,
+                lease_secs,
+                segment_size,
+                max_attempts,
+                listen,
+                generation_poll_secs
+            );
+            self.bulk = Some(b);
+        }
+        self
+    }
+
+    /// Values from `NEXUSCRM_*` environment variables.
+    pub(crate) fn from_env() -> Result<RawConfig, String> {
+        fn var(name: &str) -> Option<String> {
+            std::env::var(name).ok().filter(|v| !v.is_empty())
+        }
+        fn parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>, String>
+        where
+            T::Err: std::fmt::Display,
+        {
+            var(name)
+                .map(|v| {
+                    v.parse::<T>()
+                        .map_err(|e| format!("environment variable {name}={v:?}: {e}"))
+                })
+                .transpose()
+        }
+        let bulk = RawBulk {
+            enabled: parse("NEXUSCRM_BULK_ENABLED")?,
+            capacity: parse("NEXUSCRM_BULK_CAPACITY")?,
+            reconcile_interval_secs: parse("NEXUSCRM_BULK_RECONCILE_INTERVAL_SECS")?,
+            lease_secs: parse("NEXUSCRM_BULK_LEASE_SECS")?,
+            segment_size: parse("NEXUSCRM_BULK_SEGMENT_SIZE")?,
+            max_attempts: parse("NEXUSCRM_BULK_MAX_ATTEMPTS")?,
+            listen: parse("NEXUSCRM_BULK_LISTEN")?,
+            generation_poll_secs: parse("NEXUSCRM_BULK_GENERATION_POLL_SECS")?,
+        };
+        Ok(RawConfig {
+            database_url: var("NEXUSCRM_DATABASE_URL"),
+            generation: parse("NEXUSCRM_GENERATION")?,
+            admin_addr: var("NEXUSCRM_ADMIN_ADDR"),
+            shutdown_timeout_secs: parse("NEXUSCRM_SHUTDOWN_TIMEOUT_SECS")?,
+            log_format: var("NEXUSCRM_LOG_FORMAT"),
+            bulk: Some(bulk),
+        })
+    }
+
+    /// Applies defaults and validates.
+    pub(crate) fn validate(self) -> Result<Settings, String> {
+        let generation = self.generation.unwrap_or(1);
+        if generation < 1 {
+            return Err(bad(
+                "generation",
+                format!("{generation} must be at least 1"),
+            ));
+        }
+        let admin = self.admin_addr.unwrap_or_else(|| DEFAULT_ADMIN_ADDR.into());
+        let admin_addr: SocketAddr = admin.parse().map_err(|e| {
+            bad(
+                "admin_addr",
+                format!("{admin:?} is not an address:port ({e})"),
+            )
+        })?;
+        if !admin_addr.ip().is_loopback() {
+            return Err(bad(
+                "admin_addr",
+                format!(
+                    "{admin_addr} is not a loopback address; the admin server only serves loopback"
+                ),
+            ));
+        }
+        let shutdown = self.shutdown_timeout_secs.unwrap_or(30);
+        if shutdown > 3600 {
+            return Err(bad(
+                "shutdown_timeout_secs",
+                format!("{shutdown} is over an hour"),
+            ));
+        }
+        let log_format = match self.log_format.as_deref().unwrap_or("text") {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => {
+                return Err(bad(
+                    "log_format",
+                    format!("{other:?} must be \"text\" or \"json\""),
+                ));
+            }
+        };
+        let b = self.bulk.unwrap_or_default();
+        let capacity = b.capacity.unwrap_or(4);
+        if capacity == 0 || capacity > 1024 {
+            return Err(bad(
+                "bulk.capacity",
+                format!("{capacity} must be 1 to 1024"),
+            ));
+        }
+        let reconcile = b.reconcile_interval_secs.unwrap_or(300);
+        if reconcile == 0 {
+            return Err(bad(
+                "bulk.reconcile_interval_secs",
+                "must be at least 1 (the backstop must not become a poll)",
+            ));
+        }
+        let lease = b.lease_secs.unwrap_or(30.0);
+        if !(0.1..=3600.0).contains(&lease) {
+            return Err(bad(
+                "bulk.lease_secs",
+                format!("{lease} must be 0.1 to 3600"),
+            ));
+        }
+        let segment_size = b.segment_size.unwrap_or(100);
+        if segment_size == 0 || segment_size > nexuscrm_bulk::MAX_SEGMENT_SIZE {
+            return Err(bad(
+                "bulk.segment_size",
+                format!(
+                    "{segment_size} must be 1 to {}",
+                    nexuscrm_bulk::MAX_SEGMENT_SIZE
+                ),
+            ));
+        }
+        let max_attempts = b.max_attempts.unwrap_or(5);
+        if max_attempts == 0 || max_attempts > 100 {
+            return Err(bad(
+                "bulk.max_attempts",
+                format!("{max_attempts} must be 1 to 100"),
+            ));
+        }
+        let poll = b.generation_poll_secs.unwrap_or(5);
+        if poll == 0 {
+            return Err(bad("bulk.generation_poll_secs", "must be at least 1"));
+        }
+        Ok(Settings {
+            database_url: self.database_url.unwrap_or_else(|| DEFAULT_DATABASE.into()),
+            generation,
+            admin_addr,
+            shutdown_timeout: Duration::from_secs(shutdown),
+            log_format,
+            bulk: BulkSettings {
+                enabled: b.enabled.unwrap_or(true),
+                capacity,
+                reconcile_interval: Duration::from_secs(reconcile),
+                lease: Duration::from_secs_f64(lease),
+                segment_size,
+                max_attempts,
+                listen: b.listen.unwrap_or(true),
+                generation_poll: Duration::from_secs(poll),
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_key() {
+        let e = toml::from_str::<RawConfig>("databse_url = 'x'")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("databse_url"), "{e}");
+        let e = toml::from_str::<RawConfig>("[bulk]\ncapacty = 3")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("capacty"), "{e}");
+        let raw: RawConfig = toml::from_str("[bulk]\ncapacity = 0").unwrap();
+        assert!(raw.validate().unwrap_err().contains("`bulk.capacity`"));
+        let raw: RawConfig = toml::from_str("admin_addr = '0.0.0.0:9464'").unwrap();
+        assert!(raw.validate().unwrap_err().contains("not a loopback"));
+        let raw: RawConfig = toml::from_str("log_format = 'yaml'").unwrap();
+        assert!(raw.validate().unwrap_err().contains("`log_format`"));
+    }
+
+    #[test]
+    fn later_sources_override_earlier_ones_and_defaults_fill_the_rest() {
+        let file: RawConfig =
+            toml::from_str("generation = 3\n[bulk]\ncapacity = 2\nlease_secs = 5").unwrap();
+        let env = RawConfig {
+            generation: Some(4),
+            ..RawConfig::default()
+        };
+        let flags = RawConfig {
+            bulk: Some(RawBulk {
+                capacity: Some(8),
+                ..RawBulk::default()
+            }),
+            ..RawConfig::default()
+        };
+        let s = file.overlay(env).overlay(flags).validate().unwrap();
+        assert_eq!(s.generation, 4);
+        assert_eq!(s.bulk.capacity, 8);
+        assert_eq!(s.bulk.lease, Duration::from_secs(5));
+        assert_eq!(s.database_url, DEFAULT_DATABASE);
+        assert_eq!(s.admin_addr.to_string(), DEFAULT_ADMIN_ADDR);
+    }
+}

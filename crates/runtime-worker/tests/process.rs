@@ -1,0 +1,374 @@
+//! Process-level proof: the real binary, started as a child process, killed and restarted.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_persistence::{Db, Dialect, sqlx};
+
+const BIN: &str = env!("CARGO_BIN_EXE_nexuscrm-runtime-worker");
+
+struct Worker {
+    child: Child,
+    port: u16,
+    log: Arc<Mutex<String>>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Never leave a worker behind when a test fails.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(url: &str, extra: &[&str]) -> Worker {
+    start_leased(url, "0.5", extra)
+}
+
+fn start_leased(url: &str, lease_secs: &str, extra: &[&str]) -> Worker {
+    let mut child = Command::new(BIN)
+        .args([
+            "--database-url",
+            url,
+            "run",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--bulk-lease-secs",
+            lease_secs,
+            "--shutdown-timeout-secs",
+            "10",
+        ])
+        .args(extra)
+        .env_remove("NEXUSCRM_DATABASE_URL")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the worker");
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(i) = line.find("admin listening on 127.0.0.1:") {
+                let rest = &line[i + "admin listening on 127.0.0.1:".len()..];
+                let port: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                if let (Some(tx), Ok(p)) = (tx.take(), port.parse::<u16>()) {
+                    let _ = tx.send(p);
+                }
+            }
+            sink.lock().unwrap().push_str(&(line + "\n"));
+        }
+    });
+    let port = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| {
+            panic!(
+                "the worker never served admin HTTP: {}",
+                log.lock().unwrap()
+            )
+        });
+    Worker { child, port, log }
+}
+
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let code = text.split_whitespace().nth(1)?.parse().ok()?;
+    Some((
+        code,
+        text.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default(),
+    ))
+}
+
+fn signal(w: &Worker, sig: &str) {
+    Command::new("kill")
+        .args([sig, &w.child.id().to_string()])
+        .status()
+        .unwrap();
+}
+
+fn wait_exit(w: &mut Worker, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = w.child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker did not exit: {}",
+            w.log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn submit(url: &str, key: &str, rows: usize, segment: u32) {
+    let out = Command::new(BIN)
+        .args([
+            "--database-url",
+            url,
+            "bulk",
+            "submit",
+            "--key",
+            key,
+            "--sample",
+            &rows.to_string(),
+            "--segment-size",
+            &segment.to_string(),
+        ])
+        .env_remove("NEXUSCRM_DATABASE_URL")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "submit failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn scalar(db: &Db, sql: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>(sql)
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+}
+
+async fn wait_all_succeeded(db: &Db, jobs: i64, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let done = scalar(
+            db,
+            "SELECT COUNT(*) FROM bulk_job WHERE state = 'succeeded'",
+        )
+        .await;
+        if done == jobs {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{done} of {jobs} jobs succeeded");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn assert_exactly_once(db: &Db, rows: i64) {
+    assert_eq!(
+        scalar(db, "SELECT COUNT(*) FROM crm_record_change").await,
+        rows,
+        "every row applied"
+    );
+    assert_eq!(
+        scalar(db, "SELECT COUNT(*) FROM (SELECT job_id, ordinal FROM crm_record_change GROUP BY job_id, ordinal HAVING COUNT(*) > 1) d").await,
+        0,
+        "no row applied twice"
+    );
+    assert_eq!(
+        scalar(db, "SELECT COUNT(*) FROM crm_record WHERE revision <> 1").await,
+        0,
+        "revisions"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
+    let t = TestDb::create(Dialect::Sqlite, "admin").await.unwrap();
+    let mut w = start(&t.url, &[]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
+        assert!(Instant::now() < deadline, "never ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(get(w.port, "/livez").unwrap().0, 200);
+    let (code, body) = get(w.port, "/snapshot").unwrap();
+    assert_eq!(code, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["families"][0]["declaration"],
+        "bulk=durable-critical/transactional"
+    );
+    assert_eq!(v["families"][0]["controller"]["ready"], true);
+    let (code, metrics) = get(w.port, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    let mut samples = 0;
+    for line in metrics.lines() {
+        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
+            continue;
+        }
+        let (name_labels, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad line {line:?}"));
+        assert!(value.parse::<f64>().is_ok(), "bad value in {line:?}");
+        let name = name_labels.split('{').next().unwrap();
+        assert!(
+            name.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+            "bad name in {line:?}"
+        );
+        assert!(
+            name_labels.ends_with('}') && name_labels.contains("family=\"bulk\""),
+            "{line:?}"
+        );
+        samples += 1;
+    }
+    assert!(samples > 20, "{metrics}");
+    signal(&w, "-TERM");
+    assert!(
+        wait_exit(&mut w, Duration::from_secs(20)).success(),
+        "{}",
+        w.log.lock().unwrap()
+    );
+    t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_a_segment_in_flight_drains_and_exits_zero() {
+    let t = TestDb::create(Dialect::Sqlite, "sigterm").await.unwrap();
+    submit(&t.url, "big", 30_000, 10_000);
+    let mut w = start_leased(&t.url, "30", &[]);
+    let db = Db::connect(&t.url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while scalar(&db, "SELECT COUNT(*) FROM bulk_job WHERE state = 'running'").await == 0 {
+        assert!(Instant::now() < deadline, "never claimed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let stopped = Instant::now();
+    signal(&w, "-TERM");
+    let status = wait_exit(&mut w, Duration::from_secs(20));
+    assert!(
+        status.success(),
+        "drained within the bound: {}",
+        w.log.lock().unwrap()
+    );
+    assert!(stopped.elapsed() < Duration::from_secs(12));
+    // A restarted worker finishes the job with every row applied once.
+    let mut w = start_leased(&t.url, "30", &[]);
+    wait_all_succeeded(&db, 1, Duration::from_secs(120)).await;
+    signal(&w, "-TERM");
+    assert!(wait_exit(&mut w, Duration::from_secs(20)).success());
+    assert_exactly_once(&db, 30_000).await;
+    db.close().await;
+    t.drop_database().await;
+}
+
+async fn kill_nine_twenty_times(dialect: Dialect) {
+    let Some(t) = TestDb::create(dialect, "kill9").await else {
+        return;
+    };
+    for j in 0..10 {
+        submit(&t.url, &format!("job-{j}"), 200, 20);
+    }
+    let db = Db::connect(&t.url).await.unwrap();
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    for _ in 0..20 {
+        let mut w = start(&t.url, &[]);
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        std::thread::sleep(Duration::from_millis(50 + seed % 400));
+        w.child.kill().unwrap(); // SIGKILL: no drain, no cleanup.
+        let _ = w.child.wait();
+    }
+    let mut w = start(&t.url, &[]);
+    wait_all_succeeded(&db, 10, Duration::from_secs(180)).await;
+    signal(&w, "-TERM");
+    assert!(wait_exit(&mut w, Duration::from_secs(20)).success());
+    assert_exactly_once(&db, 2_000).await;
+    db.close().await;
+    t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_nine_twenty_times_on_sqlite_loses_nothing_and_applies_nothing_twice() {
+    kill_nine_twenty_times(Dialect::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_nine_twenty_times_on_postgres_loses_nothing_and_applies_nothing_twice() {
+    kill_nine_twenty_times(Dialect::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_on_postgres_never_apply_a_row_twice() {
+    let Some(t) = TestDb::create(Dialect::Postgres, "twoproc").await else {
+        return;
+    };
+    submit(&t.url, "seed", 1, 1);
+    let mut a = start(&t.url, &[]);
+    let mut b = start(&t.url, &[]);
+    for j in 0..20 {
+        submit(&t.url, &format!("job-{j}"), 200, 20);
+    }
+    let db = Db::connect(&t.url).await.unwrap();
+    wait_all_succeeded(&db, 21, Duration::from_secs(180)).await;
+    signal(&a, "-TERM");
+    signal(&b, "-TERM");
+    assert!(wait_exit(&mut a, Duration::from_secs(20)).success());
+    assert!(wait_exit(&mut b, Duration::from_secs(20)).success());
+    assert_exactly_once(&db, 4_001).await;
+    db.close().await;
+    t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_generation_takes_over_and_the_older_one_stops_claiming() {
+    let Some(t) = TestDb::create(Dialect::Postgres, "takeover").await else {
+        return;
+    };
+    submit(&t.url, "seed", 1, 1);
+    let mut old = start(&t.url, &["--generation", "1"]);
+    let db = Db::connect(&t.url).await.unwrap();
+    wait_all_succeeded(&db, 1, Duration::from_secs(60)).await;
+    let mut new = start(&t.url, &["--generation", "2"]);
+    let claimed = |port| {
+        let (_, body) = get(port, "/snapshot").unwrap();
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["families"][0]["controller"]["attempts_claimed"]
+            .as_u64()
+            .unwrap()
+    };
+    let old_before = claimed(old.port);
+    for j in 0..5 {
+        submit(&t.url, &format!("job-{j}"), 50, 10);
+    }
+    wait_all_succeeded(&db, 6, Duration::from_secs(60)).await;
+    assert_eq!(
+        claimed(old.port),
+        old_before,
+        "the fenced-out generation claimed nothing"
+    );
+    assert!(claimed(new.port) >= 5);
+    // An older generation cannot start against a newer owner.
+    let out = Command::new(BIN)
+        .args([
+            "--database-url",
+            &t.url,
+            "run",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--generation",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("can never take it back"));
+    signal(&old, "-TERM");
+    signal(&new, "-TERM");
+    wait_exit(&mut old, Duration::from_secs(20));
+    assert!(wait_exit(&mut new, Duration::from_secs(20)).success());
+    assert_exactly_once(&db, 251).await;
+    db.close().await;
+    t.drop_database().await;
+}
