@@ -64,7 +64,6 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         .listen(s.bulk.listen)
         .generation_poll(Some(s.bulk.generation_poll));
     let bulk = Bulk::open(db, s.generation, BulkOptions::default().config(cfg)).await?;
-    bulk.take_ownership(&owner()).await?;
     let capacity =
         std::num::NonZeroUsize::new(s.bulk.capacity).ok_or("bulk.capacity must be at least 1")?;
     let ctl = Controller::new(
@@ -99,6 +98,13 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
             .with_graceful_shutdown(async move { stop.cancelled().await })
             .await
     });
+    // Admin HTTP is up before ownership and the startup reconciliation: /livez answers during a
+    // slow start and /readyz says "not ready" until the controller reports Ready.
+    if let Err(e) = bulk.take_ownership(&owner()).await {
+        admin_stop.cancel();
+        let _ = server.await;
+        return Err(e.into());
+    }
     let cancel = CancellationToken::new();
     let signals = tokio::spawn(stop_on_signal(cancel.clone()));
     let ended = supervise(ctl, cancel.clone()).await;

@@ -372,3 +372,46 @@ async fn a_newer_generation_takes_over_and_the_older_one_stops_claiming() {
     db.close().await;
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_is_not_200_until_the_startup_reconciliation_completes() {
+    let Some(t) = TestDb::create(Dialect::Postgres, "readyz").await else {
+        return;
+    };
+    submit(&t.url, "seed", 1, 1); // migrates
+    let db = Db::connect(&t.url).await.unwrap();
+    db.take_ownership("bulk", 1, "test").await.unwrap();
+    // Hold the fence row: the worker's startup reconciliation blocks on it.
+    let mut holder = db.begin_write().await.unwrap();
+    sqlx::query("UPDATE runtime_work_fence SET generation = generation")
+        .execute(holder.conn())
+        .await
+        .unwrap();
+    let mut w = start(&t.url, &[]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (code, body) = get(w.port, "/readyz").unwrap();
+    assert_eq!(
+        code, 503,
+        "not ready before the startup reconciliation: {body}"
+    );
+    assert!(body.contains("not ready"), "{body}");
+    assert_eq!(
+        get(w.port, "/livez").unwrap().0,
+        200,
+        "alive while starting"
+    );
+    holder.rollback().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
+        assert!(
+            Instant::now() < deadline,
+            "never ready: {}",
+            w.log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    signal(&w, "-TERM");
+    assert!(wait_exit(&mut w, Duration::from_secs(20)).success());
+    db.close().await;
+    t.drop_database().await;
+}
