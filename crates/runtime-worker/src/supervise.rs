@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use nexuscrm_bulk::{Bulk, BulkConfig, BulkOptions, DECLARATION};
 use nexuscrm_persistence::Db;
+use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Config, Controller, Source};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -63,7 +64,24 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         .default_max_attempts(s.bulk.max_attempts)
         .listen(s.bulk.listen)
         .generation_poll(Some(s.bulk.generation_poll));
-    let bulk = Bulk::open(db, s.generation, BulkOptions::default().config(cfg)).await?;
+    // Test-only: NEXUSCRM_FAULT=<crash-point> arms the real fault hook (process-level fail-stop
+    // tests). Unset, the hook is the zero-cost unarmed default.
+    let faults = match std::env::var("NEXUSCRM_FAULT") {
+        Ok(point) if !point.is_empty() => {
+            let point: CrashPoint = point.parse().map_err(|e| format!("NEXUSCRM_FAULT: {e}"))?;
+            tracing::warn!("NEXUSCRM_FAULT armed at {point}: this process will crash there");
+            let f = Faults::new();
+            f.arm(point);
+            f
+        }
+        _ => Faults::none(),
+    };
+    let bulk = Bulk::open(
+        db,
+        s.generation,
+        BulkOptions::default().config(cfg).faults(faults),
+    )
+    .await?;
     let capacity =
         std::num::NonZeroUsize::new(s.bulk.capacity).ok_or("bulk.capacity must be at least 1")?;
     let ctl = Controller::new(

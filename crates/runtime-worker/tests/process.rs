@@ -415,3 +415,34 @@ async fn readyz_is_not_200_until_the_startup_reconciliation_completes() {
     db.close().await;
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poisoned_controller_exits_two_and_a_restart_recovers() {
+    let t = TestDb::create(Dialect::Sqlite, "poison").await.unwrap();
+    submit(&t.url, "job", 100, 10);
+    // The attempt crashes mid-job (an attempt error): the controller is poisoned.
+    let out = Command::new(BIN)
+        .args([
+            "--database-url",
+            &t.url,
+            "run",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--bulk-lease-secs",
+            "0.5",
+        ])
+        .env("NEXUSCRM_FAULT", "after-effect")
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{log}");
+    assert!(log.contains("poisoned"), "{log}");
+    let mut w = start(&t.url, &[]);
+    let db = Db::connect(&t.url).await.unwrap();
+    wait_all_succeeded(&db, 1, Duration::from_secs(60)).await;
+    signal(&w, "-TERM");
+    assert!(wait_exit(&mut w, Duration::from_secs(20)).success());
+    assert_exactly_once(&db, 100).await;
+    db.close().await;
+    t.drop_database().await;
+}
