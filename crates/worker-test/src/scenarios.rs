@@ -694,40 +694,19 @@ async fn shutdown_timeout_fail_stop<A: ScenarioAdapter>(a: &A) -> Outcome {
     Ok(None)
 }
 
-async fn generation_change_recovery<A: ScenarioAdapter>(a: &A) -> Outcome {
-    let h = Harness::new(a).await?;
-    let ctl = h.controller(a.config())?;
-    let handle = ctl.handle();
-    let cancel = CancellationToken::new();
-    let run = tokio::spawn(ctl.run(cancel.clone()));
-    timeout(BOUND, handle.ready())
-        .await
-        .map_err(|_| "never Ready".to_string())?;
-    wait_for(|| Counts::n(&h.counts.next_work_at) >= 1).await?;
-    // Work accepted by "another process": no in-process wake.
-    a.submit(h.source.inner(), 1).await.map_err(e)?;
-    if !a.bump_generation(h.source.inner()).await.map_err(e)? {
-        cancel.cancel();
-        run.await.map_err(e)?.map_err(e)?;
-        return Ok(Some("the source has no generation probe".into()));
-    }
-    h.wait_completed(a, 1).await?;
-    cancel.cancel();
-    run.await.map_err(e)?.map_err(e)?;
-    let snap = handle.snapshot();
-    check(snap.generation_changes >= 1, || {
-        "the change was observed".into()
-    })?;
-    check(snap.reconciles.generation_change >= 1, || {
-        "the change reconciled".into()
-    })?;
-    h.counts.agrees_with(&snap)?;
-    Ok(None)
+/// How a generation scenario signals "another process accepted work".
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Signal {
+    /// The cursor changes: the controller must reconcile on the change.
+    Change,
+    /// The probe breaks: the controller must record a loss and reconcile anyway.
+    Loss,
 }
 
-async fn generation_loss_recovery<A: ScenarioAdapter>(a: &A) -> Outcome {
+async fn generation_recovery<A: ScenarioAdapter>(a: &A, signal: Signal) -> Outcome {
     let h = Harness::new(a).await?;
-    let ctl = h.controller(a.config().generation_retry(Duration::from_millis(100)))?;
+    let config = a.config().generation_retry(Duration::from_millis(100));
+    let ctl = h.controller(config)?;
     let handle = ctl.handle();
     let cancel = CancellationToken::new();
     let run = tokio::spawn(ctl.run(cancel.clone()));
@@ -735,25 +714,50 @@ async fn generation_loss_recovery<A: ScenarioAdapter>(a: &A) -> Outcome {
         .await
         .map_err(|_| "never Ready".to_string())?;
     wait_for(|| Counts::n(&h.counts.next_work_at) >= 1).await?;
-    // Work accepted by "another process" while the change signal is lost.
-    a.submit(h.source.inner(), 1).await.map_err(e)?;
-    if !a.break_generation(h.source.inner()).await.map_err(e)? {
+    // Work accepted by "another process": no in-process wake. For a loss, the item is accepted
+    // first and the change signal is then lost.
+    let supported = match signal {
+        Signal::Change => {
+            a.submit(h.source.inner(), 1).await.map_err(e)?;
+            a.bump_generation(h.source.inner()).await.map_err(e)?
+        }
+        Signal::Loss => {
+            a.submit(h.source.inner(), 1).await.map_err(e)?;
+            a.break_generation(h.source.inner()).await.map_err(e)?
+        }
+    };
+    if !supported {
         cancel.cancel();
         run.await.map_err(e)?.map_err(e)?;
-        return Ok(Some("the source has no generation probe to break".into()));
+        return Ok(Some(match signal {
+            Signal::Change => "the source has no generation probe".into(),
+            Signal::Loss => "the source has no generation probe to break".into(),
+        }));
     }
     h.wait_completed(a, 1).await?;
     cancel.cancel();
     run.await.map_err(e)?.map_err(e)?;
     let snap = handle.snapshot();
-    check(snap.generation_losses >= 1, || {
-        "the loss was recorded".into()
-    })?;
-    check(snap.reconciles.generation_loss >= 1, || {
-        "the loss reconciled".into()
-    })?;
+    match signal {
+        Signal::Change => {
+            check(snap.generation_changes >= 1, || {
+                "the change was observed".into()
+            })?;
+            check(snap.reconciles.generation_change >= 1, || {
+                "the change reconciled".into()
+            })?;
+        }
+        Signal::Loss => {
+            check(snap.generation_losses >= 1, || {
+                "the loss was recorded".into()
+            })?;
+            check(snap.reconciles.generation_loss >= 1, || {
+                "the loss reconciled".into()
+            })?;
+        }
+    }
     check(snap.poisoned.is_none(), || {
-        "a generation loss never poisons".into()
+        "a generation signal never poisons".into()
     })?;
     h.counts.agrees_with(&snap)?;
     Ok(None)
@@ -797,11 +801,11 @@ pub async fn run_all<A: ScenarioAdapter>(adapter: &A) -> ScenarioReport {
     );
     scenario!(
         "generation-change-recovery",
-        generation_change_recovery(adapter)
+        generation_recovery(adapter, Signal::Change)
     );
     scenario!(
         "generation-loss-recovery",
-        generation_loss_recovery(adapter)
+        generation_recovery(adapter, Signal::Loss)
     );
     ScenarioReport { results }
 }
