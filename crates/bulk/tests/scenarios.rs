@@ -59,7 +59,19 @@ impl ScenarioAdapter for BulkScenarios {
 
     async fn block(&self, source: &BulkSource) -> Result<Box<dyn Any + Send>, BoxError> {
         // Hold the fence row (every claim and reconciliation locks it; SQLite: the write lock).
-        let mut tx = source.bulk().db().begin_write().await?;
+        // On SQLite a previously cancelled write may still hold the lock for a moment (sqlx runs
+        // SQLite statements on a worker thread that finishes its queued command), so wait for it.
+        let mut attempts = 0;
+        let mut tx = loop {
+            match source.bulk().db().begin_write().await {
+                Ok(tx) => break tx,
+                Err(e) if attempts < 5 => {
+                    attempts += 1;
+                    eprintln!("block: retrying after {e}");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         sqlx::query("UPDATE runtime_work_fence SET generation = generation")
             .execute(tx.conn())
             .await?;

@@ -515,9 +515,14 @@ async fn wake_coalescing<A: ScenarioAdapter>(a: &A) -> Outcome {
         format!("a wake never reconciles: {r:?}")
     })?;
     let by_reconcile = r.total() - r.startup;
-    let wake_turns = Counts::n(&h.counts.claim).saturating_sub(1 + by_reconcile);
-    check((1..=2).contains(&wake_turns), || {
-        format!("100 wakes must coalesce into one or two claim turns, got {wake_turns}")
+    // Wakes raised before a claim turn begins are satisfied by it, whatever caused the turn, so
+    // 100 wakes add at most two turns beyond those the reconciliations caused.
+    let turns = Counts::n(&h.counts.claim).saturating_sub(1);
+    check(turns >= 1 && turns <= by_reconcile + 2, || {
+        format!(
+            "100 wakes must coalesce into at most two claim turns: {turns} turns, \
+             {by_reconcile} after reconciliations"
+        )
     })?;
     h.counts.agrees_with(&handle.snapshot())?;
     Ok(None)
