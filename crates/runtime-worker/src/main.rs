@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 mod admin;
 mod config;
+mod stall;
 mod supervise;
 
 use config::RawConfig;

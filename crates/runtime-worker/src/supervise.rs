@@ -85,7 +85,7 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     let capacity =
         std::num::NonZeroUsize::new(s.bulk.capacity).ok_or("bulk.capacity must be at least 1")?;
     let ctl = Controller::new(
-        bulk.source(),
+        crate::stall::Stalling::from_env(bulk.source())?,
         Config::new("bulk")
             .capacity(capacity)
             .reconcile_interval(s.bulk.reconcile_interval)

@@ -446,3 +446,60 @@ async fn a_poisoned_controller_exits_two_and_a_restart_recovers() {
     db.close().await;
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_an_attempt_ignoring_cancellation_exits_two_after_the_bound() {
+    let t = TestDb::create(Dialect::Sqlite, "overrun").await.unwrap();
+    submit(&t.url, "job", 50, 10);
+    let mut child = Command::new(BIN)
+        .args([
+            "--database-url",
+            &t.url,
+            "run",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--shutdown-timeout-secs",
+            "1",
+        ])
+        .env("NEXUSCRM_TEST_STALL_ATTEMPT_SECS", "30")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let db = Db::connect(&t.url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while scalar(&db, "SELECT COUNT(*) FROM bulk_job WHERE state = 'running'").await == 0 {
+        assert!(Instant::now() < deadline, "never claimed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stopped = Instant::now();
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(20),
+            "did not exit after the bound"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = stopped.elapsed();
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "{log}");
+    assert!(took >= Duration::from_secs(1), "waited the bound: {took:?}");
+    assert!(
+        log.contains("ignored cancellation beyond the shutdown bound"),
+        "{log}"
+    );
+    db.close().await;
+    t.drop_database().await;
+}
