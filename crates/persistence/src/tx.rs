@@ -74,22 +74,23 @@ impl WriteTx {
     ///
     /// The commit's error: its outcome is unknown (the connection is then discarded).
     pub async fn commit(mut self) -> Result<(), sqlx::Error> {
-        let mut conn = self.conn.take().expect("open transaction");
-        match conn.execute("COMMIT").await {
-            Ok(_) => Ok(()),
-            Err(e) => {
-                drop(conn.detach());
-                Err(e)
-            }
+        // The connection stays inside `self` while COMMIT is in flight: if this future is
+        // dropped mid-await, Drop closes the connection instead of pooling an open transaction.
+        self.conn().execute("COMMIT").await?;
+        if let Some(conn) = self.conn.take() {
+            drop(conn); // Back to the pool: the transaction is closed.
         }
+        Ok(())
     }
 
     /// Rolls back (discarding the connection if even that fails).
     pub async fn rollback(mut self) {
-        let mut conn = self.conn.take().expect("open transaction");
-        if conn.execute("ROLLBACK").await.is_err() {
-            drop(conn.detach());
+        if self.conn().execute("ROLLBACK").await.is_ok()
+            && let Some(conn) = self.conn.take()
+        {
+            drop(conn);
         }
+        // Otherwise Drop closes the connection.
     }
 }
 
@@ -109,17 +110,18 @@ impl Db {
     ///
     /// No connection, or `BEGIN` failed (nothing was written).
     pub async fn begin_write(&self) -> Result<WriteTx, sqlx::Error> {
-        let mut conn = self.acquire().await?;
+        // Wrapped before BEGIN is sent: dropped mid-BEGIN, the connection is closed rather than
+        // returned to the pool holding a transaction (and, on SQLite, the write lock).
+        let mut tx = WriteTx {
+            conn: Some(self.acquire().await?),
+        };
         let begin = match self.dialect() {
             Dialect::Sqlite => "BEGIN IMMEDIATE",
             Dialect::Postgres => "BEGIN",
             Dialect::Mysql => "START TRANSACTION",
         };
-        if let Err(e) = conn.execute(begin).await {
-            drop(conn.detach());
-            return Err(e);
-        }
-        Ok(WriteTx { conn: Some(conn) })
+        tx.conn().execute(begin).await?;
+        Ok(tx)
     }
 
     /// Runs `work` in one write transaction and commits, honouring `cancel` without ever

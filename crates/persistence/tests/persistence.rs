@@ -155,3 +155,34 @@ async fn a_write_cancelled_while_blocked_on_a_lock_returns_promptly_and_commits_
         t.drop_database().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_dropped_mid_begin_never_leaves_an_open_transaction_in_the_pool() {
+    let t = TestDb::create(Dialect::Sqlite, "dropbegin").await.unwrap();
+    sqlx::query("CREATE TABLE d (id BIGINT PRIMARY KEY)")
+        .execute(t.db.pool())
+        .await
+        .unwrap();
+    let holder = t.db.begin_write().await.unwrap();
+    // Dropped (by the timeout) while BEGIN IMMEDIATE waits for the holder's write lock.
+    let dropped =
+        tokio::time::timeout(std::time::Duration::from_millis(200), t.db.begin_write()).await;
+    assert!(dropped.is_err(), "the begin was still waiting");
+    holder.rollback().await;
+    // The next writers get the lock promptly: no pooled connection holds a transaction.
+    for _ in 0..8 {
+        let started = std::time::Instant::now();
+        let mut tx = t.db.begin_write().await.expect("write lock available");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(3),
+            "waited {:?}",
+            started.elapsed()
+        );
+        sqlx::query("INSERT INTO d (id) VALUES (1)")
+            .execute(tx.conn())
+            .await
+            .unwrap();
+        tx.rollback().await;
+    }
+    t.drop_database().await;
+}
