@@ -117,6 +117,17 @@ fn wait_exit(w: &mut Worker, within: Duration) -> std::process::ExitStatus {
     }
 }
 
+/// SIGTERM, then require a clean (exit 0) drain within 20 s.
+fn stop_clean(w: &mut Worker) {
+    signal(w, "-TERM");
+    let status = wait_exit(w, Duration::from_secs(20));
+    assert!(
+        status.success(),
+        "clean drain expected: {}",
+        w.log.lock().unwrap()
+    );
+}
+
 fn submit(url: &str, key: &str, rows: usize, segment: u32) {
     let out = Command::new(BIN)
         .args([
@@ -255,8 +266,7 @@ async fn sigterm_with_a_segment_in_flight_drains_and_exits_zero() {
     // A restarted worker finishes the job with every row applied once.
     let mut w = start_leased(&t.url, "30", &[]);
     wait_all_succeeded(&db, 1, Duration::from_secs(120)).await;
-    signal(&w, "-TERM");
-    assert!(wait_exit(&mut w, Duration::from_secs(20)).success());
+    stop_clean(&mut w);
     assert_exactly_once(&db, 30_000).await;
     db.close().await;
     t.drop_database().await;
@@ -282,8 +292,7 @@ async fn kill_nine_twenty_times(dialect: Dialect) {
     }
     let mut w = start(&t.url, &[]);
     wait_all_succeeded(&db, 10, Duration::from_secs(180)).await;
-    signal(&w, "-TERM");
-    assert!(wait_exit(&mut w, Duration::from_secs(20)).success());
+    stop_clean(&mut w);
     assert_exactly_once(&db, 2_000).await;
     db.close().await;
     t.drop_database().await;
@@ -410,8 +419,7 @@ async fn readyz_is_not_200_until_the_startup_reconciliation_completes() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    signal(&w, "-TERM");
-    assert!(wait_exit(&mut w, Duration::from_secs(20)).success());
+    stop_clean(&mut w);
     db.close().await;
     t.drop_database().await;
 }
@@ -440,8 +448,7 @@ async fn a_poisoned_controller_exits_two_and_a_restart_recovers() {
     let mut w = start(&t.url, &[]);
     let db = Db::connect(&t.url).await.unwrap();
     wait_all_succeeded(&db, 1, Duration::from_secs(60)).await;
-    signal(&w, "-TERM");
-    assert!(wait_exit(&mut w, Duration::from_secs(20)).success());
+    stop_clean(&mut w);
     assert_exactly_once(&db, 100).await;
     db.close().await;
     t.drop_database().await;
