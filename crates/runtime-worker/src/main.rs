@@ -233,33 +233,38 @@ fn exit_for(result: Result<(), (bool, String)>) -> ExitCode {
     }
 }
 
-pub(crate) async fn stop_on_signal(cancel: CancellationToken) {
+/// Registers SIGINT/SIGTERM handlers now (synchronously, so no signal between this call and
+/// the first await is lost to the default action), then returns the task that cancels `cancel`
+/// on the first signal and exits with 130 on the second.
+pub(crate) fn listen_for_signals(
+    cancel: CancellationToken,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        eprintln!("nexuscrm-runtime-worker: stop signal: draining");
-        cancel.cancel();
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        eprintln!("nexuscrm-runtime-worker: second signal: exiting at once");
-        std::process::exit(130);
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        Ok(tokio::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::info!("stop signal: draining");
+            cancel.cancel();
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::warn!("second signal: exiting at once");
+            std::process::exit(130);
+        }))
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
-        cancel.cancel();
+        Ok(tokio::spawn(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            cancel.cancel();
+        }))
     }
 }
 

@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
-use crate::{AnyError, admin, owner, stop_on_signal};
+use crate::{AnyError, admin, listen_for_signals, owner};
 
 /// How a supervised controller ended.
 enum Ended {
@@ -57,6 +57,9 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     if !s.bulk.enabled {
         return Err("no family is enabled (bulk.enabled = false): nothing to run".into());
     }
+    // First of all, so that a stop signal during start-up is a clean stop, not a kill.
+    let cancel = CancellationToken::new();
+    let signals = listen_for_signals(cancel.clone())?;
     let db = Db::connect(&s.database_url).await?;
     let cfg = BulkConfig::default()
         .lease(s.bulk.lease)
@@ -123,8 +126,6 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         let _ = server.await;
         return Err(e.into());
     }
-    let cancel = CancellationToken::new();
-    let signals = tokio::spawn(stop_on_signal(cancel.clone()));
     let ended = supervise(ctl, cancel.clone()).await;
     cancel.cancel();
     signals.abort();

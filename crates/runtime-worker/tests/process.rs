@@ -510,3 +510,15 @@ async fn sigterm_with_an_attempt_ignoring_cancellation_exits_two_after_the_bound
     db.close().await;
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_as_soon_as_the_admin_server_is_up_is_a_clean_stop() {
+    let t = TestDb::create(Dialect::Sqlite, "earlyterm").await.unwrap();
+    for _ in 0..5 {
+        // Signal handlers are registered before anything else, so even a signal during
+        // start-up drains cleanly instead of killing the process.
+        let mut w = start(&t.url, &[]);
+        stop_clean(&mut w);
+    }
+    t.drop_database().await;
+}
