@@ -11,7 +11,9 @@ use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, Sou
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
-use crate::store::{Bulk, CHANNEL, from_ms, queries, row_problem, text, to_ms};
+use nexuscrm_persistence::support::{from_ms, new_token, retrying, text, to_ms};
+
+use crate::store::{Bulk, CHANNEL, queries, row_problem};
 
 /// The Bulk family's [`Source`]: claims due jobs (and jobs whose lease expired), answers
 /// `next_work_at` from two indexed reads, and releases jobs leased by older generations on
@@ -21,75 +23,12 @@ pub struct BulkSource {
     pub(crate) bulk: Bulk,
 }
 
-/// Whether a rolled-back transaction failed only because of lock contention (a deadlock or
-/// serialization failure, or SQLite's busy lock): safe and sensible to retry at once.
-pub(crate) fn is_contention(e: &WriteError) -> bool {
-    let WriteError::NotCommitted(sqlx::Error::Database(d)) = e else {
-        return false;
-    };
-    let code = d.code().unwrap_or_default();
-    matches!(
-        code.as_ref(),
-        "40001" | "40P01" | "1213" | "1205" | "5" | "6" | "517"
-    ) || d.message().contains("Deadlock found")
-        || d.message().contains("database is locked")
-}
-
-/// Runs `op` again (up to 8 times, 5 ms doubling to 200 ms with jitter, cancel-aware) while it
-/// fails with lock contention, which is a proven rollback.
-pub(crate) async fn retrying<T, F, Fut>(
-    cancel: &CancellationToken,
-    mut op: F,
-) -> Result<T, WriteError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, WriteError>>,
-{
-    let mut delay = Duration::from_millis(5);
-    for _ in 0..8 {
-        match op().await {
-            Err(e) if is_contention(&e) && !cancel.is_cancelled() => {
-                let jitter = Duration::from_micros(
-                    u64::from(
-                        SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map(|d| d.subsec_micros())
-                            .unwrap_or(0),
-                    ) % (delay.as_micros() as u64 + 1),
-                );
-                tokio::select! {
-                    () = cancel.cancelled() => return Err(WriteError::Cancelled),
-                    () = tokio::time::sleep(delay + jitter) => {}
-                }
-                delay = (delay * 2).min(Duration::from_millis(200));
-            }
-            other => return other,
-        }
-    }
-    op().await
-}
-
 fn source_error(e: WriteError) -> SourceError {
     if e.is_not_committed() {
         SourceError::not_committed(e)
     } else {
         SourceError::new(e)
     }
-}
-
-fn new_token() -> String {
-    use std::collections::hash_map::RandomState;
-    use std::hash::{BuildHasher, Hasher};
-    let mut a = RandomState::new().build_hasher();
-    a.write_u128(
-        SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    let mut b = RandomState::new().build_hasher();
-    b.write_u64(a.finish());
-    format!("{:016x}{:016x}", a.finish(), b.finish())
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -2,9 +2,10 @@
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
+use nexuscrm_persistence::support::{is_unique_violation, text, to_ms};
 use nexuscrm_persistence::{
     Db, DbError, Dialect, DialectQueries, Fence, Migration, Queries, WriteError,
 };
@@ -324,16 +325,6 @@ pub struct Observations {
     pub succeeded: i64,
     /// Jobs poisoned.
     pub poisoned: i64,
-}
-
-pub(crate) fn to_ms(t: SystemTime) -> i64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
-pub(crate) fn from_ms(ms: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
 
 /// The Bulk family over one database, for one deployment generation.
@@ -737,29 +728,6 @@ fn decode_status(r: &sqlx::any::AnyRow) -> Result<JobStatus, sqlx::Error> {
         rejected_rows: r.try_get(8)?,
         last_error: Some(text(r, 9)?).filter(|e| !e.is_empty()),
     })
-}
-
-/// Reads a text column, which MariaDB reports as BLOB through the `Any` driver.
-pub(crate) fn text(r: &sqlx::any::AnyRow, index: usize) -> Result<String, sqlx::Error> {
-    match r.try_get::<String, _>(index) {
-        Ok(s) => Ok(s),
-        Err(_) => {
-            let bytes: Vec<u8> = r.try_get(index)?;
-            String::from_utf8(bytes).map_err(|e| sqlx::Error::Decode(Box::new(e)))
-        }
-    }
-}
-
-pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(d) => {
-            d.is_unique_violation() || {
-                let m = d.message().to_ascii_lowercase();
-                m.contains("unique") || m.contains("duplicate")
-            }
-        }
-        _ => false,
-    }
 }
 
 async fn insert_inputs(

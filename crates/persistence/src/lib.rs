@@ -12,6 +12,9 @@
 //! - [`Db::take_ownership`] and [`Fence`]: which deployment generation may claim or commit a
 //!   family, checked inside the same transaction as every claim and commit.
 //!
+//! - [`support`]: epoch-millisecond times, text decoding, unique-violation and contention
+//!   detection, contention retries, claim tokens.
+//!
 //! The handle is a `sqlx::AnyPool` with per-dialect SQL text rather than an enum of three typed
 //! pools: one Rust code path per statement, the dialect's own SQL file per statement.
 
@@ -22,6 +25,7 @@ mod error;
 mod migrate;
 mod ownership;
 mod queries;
+pub mod support;
 mod tx;
 
 #[cfg(feature = "test-support")]

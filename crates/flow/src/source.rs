@@ -1,0 +1,544 @@
+//! The Scheduled Flow [`Source`] and [`Attempt`].
+
+use std::num::NonZeroUsize;
+use std::time::{Duration, SystemTime};
+
+use nexuscrm_persistence::sqlx::postgres::PgListener;
+use nexuscrm_persistence::sqlx::{self, Row};
+use nexuscrm_persistence::support::{from_ms, new_token, retrying, text, to_ms};
+use nexuscrm_persistence::{Dialect, WriteError};
+use nexuscrm_worker::fault::CrashPoint;
+use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
+use tokio_util::sync::CancellationToken;
+
+use crate::spec::{MisfirePolicy, Spec, plan, timing};
+use crate::store::{CHANNEL, Flow, queries};
+
+/// The Scheduled Flow family's [`Source`]: claims due schedules (and schedules whose lease
+/// expired) with a claim token; `next_work_at` is the earliest cursor of an enabled schedule or
+/// the earliest lease expiry (two indexed reads); reconciliation releases schedules leased by
+/// older generations.
+#[derive(Debug, Clone)]
+pub struct FlowSource {
+    pub(crate) flow: Flow,
+}
+
+fn source_error(e: WriteError) -> SourceError {
+    if e.is_not_committed() {
+        SourceError::not_committed(e)
+    } else {
+        SourceError::new(e)
+    }
+}
+
+impl FlowSource {
+    /// The family handle.
+    #[must_use]
+    pub fn flow(&self) -> &Flow {
+        &self.flow
+    }
+
+    async fn probe(&self) -> Result<Generation, SourceError> {
+        let q = queries(self.flow.inner.db.dialect());
+        let row = sqlx::query(q.get("generation"))
+            .fetch_one(self.flow.inner.db.pool())
+            .await
+            .map_err(SourceError::new)?;
+        let id: Option<i64> = row.try_get(0).map_err(SourceError::new)?;
+        let defined: Option<i64> = row.try_get(1).map_err(SourceError::new)?;
+        // Both only grow: a new schedule raises MAX(id), an update or resume MAX(defined_at).
+        let (id, defined) = (id.unwrap_or(0) as u64, defined.unwrap_or(0) as u64);
+        Ok(Generation(defined.wrapping_mul(1_000_003).wrapping_add(id)))
+    }
+}
+
+impl Source for FlowSource {
+    type Attempt = FlowAttempt;
+
+    async fn check_ready(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
+            r = self.probe() => r.map(drop).map_err(|e| {
+                SourceError::new(format!("the flow schedule table is not readable: {e}"))
+            }),
+        }
+    }
+
+    async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+        let inner = &self.flow.inner;
+        let q = queries(inner.db.dialect());
+        let now = inner.now_ms();
+        retrying(&cancel, || {
+            let (db, fence) = (inner.db.clone(), inner.fence.clone());
+            inner.db.write(&cancel, move |c| {
+                Box::pin(async move {
+                    if fence.holds(c, &db).await? {
+                        sqlx::query(q.get("release_older_generations"))
+                            .bind(now)
+                            .bind(fence.generation())
+                            .execute(&mut *c)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+        })
+        .await
+        .map_err(source_error)
+    }
+
+    async fn claim(
+        &self,
+        capacity: NonZeroUsize,
+        cancel: CancellationToken,
+    ) -> Result<ClaimBatch<FlowAttempt>, SourceError> {
+        let inner = &self.flow.inner;
+        let dialect = inner.db.dialect();
+        let q = queries(dialect);
+        let token = new_token();
+        let now = inner.now_ms();
+        let lease_until = now + inner.cfg.lease.as_millis() as i64;
+        let limit = capacity.get() as i64;
+        let claimed = retrying(&cancel, || {
+            let (db, fence, claim_token) = (inner.db.clone(), inner.fence.clone(), token.clone());
+            inner.db.write(&cancel, move |c| {
+                Box::pin(async move {
+                    if !fence.holds(c, &db).await? {
+                        return Ok(None); // Fenced out: claim nothing.
+                    }
+                    let query = sqlx::query(q.get("claim"))
+                        .bind(claim_token.as_str())
+                        .bind(lease_until)
+                        .bind(fence.generation())
+                        .bind(now)
+                        .bind(now)
+                        .bind(now)
+                        .bind(limit);
+                    let rows = if dialect == Dialect::Mysql {
+                        // TiDB ignores RETURNING: read back the rows carrying this token.
+                        query.execute(&mut *c).await?;
+                        sqlx::query(q.get("claimed"))
+                            .bind(claim_token.as_str())
+                            .fetch_all(&mut *c)
+                            .await?
+                    } else {
+                        query.fetch_all(&mut *c).await?
+                    };
+                    rows.iter()
+                        .map(|r| Ok((r.try_get::<i64, _>(0)?, r.try_get::<i64, _>(1)?)))
+                        .collect::<Result<Vec<_>, sqlx::Error>>()
+                        .map(Some)
+                })
+            })
+        })
+        .await
+        .map_err(source_error)?;
+        let Some(mut schedules) = claimed else {
+            return Ok(ClaimBatch::empty());
+        };
+        inner
+            .faults
+            .hit(CrashPoint::AfterClaim)
+            .map_err(SourceError::new)?;
+        schedules.sort_unstable();
+        let full = schedules.len() == capacity.get();
+        let attempts: Vec<FlowAttempt> = schedules
+            .into_iter()
+            .map(|(id, version)| FlowAttempt {
+                flow: self.flow.clone(),
+                id,
+                version,
+                token: token.clone(),
+            })
+            .collect();
+        Ok(if full {
+            ClaimBatch::more(attempts)
+        } else {
+            ClaimBatch::done(attempts)
+        })
+    }
+
+    async fn next_work_at(
+        &self,
+        cancel: CancellationToken,
+    ) -> Result<Option<SystemTime>, SourceError> {
+        let db = &self.flow.inner.db;
+        let q = queries(db.dialect());
+        let read = async {
+            let cursor: Option<i64> = sqlx::query(q.get("next_occurrence"))
+                .fetch_one(db.pool())
+                .await?
+                .try_get(0)?;
+            let lease: Option<i64> = sqlx::query(q.get("next_lease_expiry"))
+                .fetch_one(db.pool())
+                .await?
+                .try_get(0)?;
+            Ok::<_, sqlx::Error>(match (cursor, lease) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            })
+        };
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
+            r = read => r.map(|t| t.map(from_ms)).map_err(SourceError::new),
+        }
+    }
+
+    async fn generation(
+        &self,
+        cancel: CancellationToken,
+    ) -> Result<Option<Generation>, SourceError> {
+        let inner = &self.flow.inner;
+        if inner.listens() {
+            // LISTEN before reading the probe, so no commit between the two is missed.
+            let mut guard = inner.listener.lock().await;
+            if guard.is_none() {
+                let mut l = tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => return Err(SourceError::not_committed("cancelled")),
+                    l = PgListener::connect(inner.db.connect_url()) => l.map_err(SourceError::new)?,
+                };
+                l.listen(CHANNEL).await.map_err(SourceError::new)?;
+                *guard = Some(l);
+            }
+        } else if inner.cfg.generation_poll.is_none() {
+            return Ok(None);
+        }
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
+            g = self.probe() => g.map(Some),
+        }
+    }
+
+    async fn generation_changed(
+        &self,
+        seen: Generation,
+        cancel: CancellationToken,
+    ) -> Result<Generation, SourceError> {
+        let inner = &self.flow.inner;
+        if inner.listens() {
+            loop {
+                let mut guard = inner.listener.lock().await;
+                let Some(listener) = guard.as_mut() else {
+                    return Err(SourceError::new("not listening"));
+                };
+                let received = tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => return Ok(seen),
+                    r = listener.try_recv() => r,
+                };
+                match received {
+                    Ok(Some(_)) => {
+                        drop(guard);
+                        let now = self.probe().await?;
+                        if now != seen {
+                            return Ok(now);
+                        }
+                    }
+                    // The connection was lost: notifications may have been missed.
+                    Ok(None) => {
+                        *guard = None;
+                        return Err(SourceError::new("the LISTEN connection was lost"));
+                    }
+                    Err(e) => {
+                        *guard = None;
+                        return Err(SourceError::new(e));
+                    }
+                }
+            }
+        }
+        let every = inner.cfg.generation_poll.unwrap_or(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => return Ok(seen),
+                () = tokio::time::sleep(every) => {}
+            }
+            let now = self.probe().await?;
+            if now != seen {
+                return Ok(now);
+            }
+        }
+    }
+}
+
+/// One claimed schedule: reserves its due occurrences, in chunks when catching up.
+#[derive(Debug)]
+pub struct FlowAttempt {
+    flow: Flow,
+    id: i64,
+    version: i64,
+    token: String,
+}
+
+/// What one reservation transaction did.
+enum Reserved {
+    /// The claim is no longer ours (lease lost, schedule updated, paused or deleted).
+    Stale,
+    /// Runs inserted and the cursor advanced; `complete` when nothing due is left.
+    Progress { complete: bool },
+}
+
+fn crash(e: nexuscrm_worker::fault::Crash) -> AttemptError {
+    AttemptError::new(e)
+}
+
+impl FlowAttempt {
+    /// The schedule this attempt reserves.
+    #[must_use]
+    pub fn schedule_id(&self) -> i64 {
+        self.id
+    }
+
+    /// One reservation transaction: check the token, version, lease and fence; insert the runs
+    /// of the plan; advance the cursor; keep the lease if more remain.
+    async fn reserve(&self, cancel: &CancellationToken) -> Result<Reserved, WriteError> {
+        let inner = &self.flow.inner;
+        let (db, fence) = (inner.db.clone(), inner.fence.clone());
+        let q = queries(db.dialect());
+        let now = inner.now_ms();
+        let grace = inner.cfg.misfire_grace.as_millis() as i64;
+        let chunk = inner.cfg.chunk;
+        let lease_ms = inner.cfg.lease.as_millis() as i64;
+        let clock = inner.clock.clone();
+        let (id, version, token) = (self.id, self.version, self.token.clone());
+        inner
+            .db
+            .write(cancel, move |c| {
+                Box::pin(async move {
+                    if !fence.holds(c, &db).await? {
+                        return Ok(Reserved::Stale);
+                    }
+                    let Some(row) = sqlx::query(q.get("reserve_read"))
+                        .bind(id)
+                        .bind(token.as_str())
+                        .bind(version)
+                        .bind(now)
+                        .fetch_optional(&mut *c)
+                        .await?
+                    else {
+                        return Ok(Reserved::Stale);
+                    };
+                    let flow = text(&row, 0)?;
+                    let kind = text(&row, 1)?;
+                    let spec = if kind == "cron" {
+                        Spec::cron(text(&row, 2)?, text(&row, 3)?)
+                    } else {
+                        let ms: i64 = row.try_get(4)?;
+                        Spec::Every(Duration::from_millis(ms.max(0) as u64))
+                    };
+                    let anchor: i64 = row.try_get(5)?;
+                    let max: i64 = row.try_get(7)?;
+                    let policy = MisfirePolicy::parse(&text(&row, 6)?, max.max(0) as u32)
+                        .map_err(|e| sqlx::Error::Decode(e.into()))?;
+                    let cursor: Option<i64> = row.try_get(8)?;
+                    let timing =
+                        timing(&spec, anchor).map_err(|e| sqlx::Error::Decode(e.into()))?;
+                    let p = match cursor {
+                        Some(cursor) => plan(&timing, policy, cursor, now, grace, chunk),
+                        None => crate::spec::Plan {
+                            runs: Vec::new(),
+                            cursor: None,
+                            complete: true,
+                        },
+                    };
+                    let reserved_at = to_ms(clock.now());
+                    for &occurrence in &p.runs {
+                        // Unique on (schedule_id, occurrence_at): a second reservation of one
+                        // occurrence fails here and rolls back, it is never hidden.
+                        sqlx::query(q.get("run_insert"))
+                            .bind(id)
+                            .bind(flow.as_str())
+                            .bind(occurrence)
+                            .bind(reserved_at)
+                            .bind(version)
+                            .bind(fence.generation())
+                            .execute(&mut *c)
+                            .await?;
+                    }
+                    let (state, keep_token, lease) = if p.complete {
+                        ("active", None, None)
+                    } else {
+                        ("leased", Some(token.as_str()), Some(reserved_at + lease_ms))
+                    };
+                    let r = sqlx::query(q.get("reserve_commit"))
+                        .bind(p.cursor)
+                        .bind(p.runs.last().copied())
+                        .bind(p.runs.len() as i64)
+                        .bind(state)
+                        .bind(keep_token)
+                        .bind(lease)
+                        .bind(reserved_at)
+                        .bind(id)
+                        .bind(token.as_str())
+                        .bind(version)
+                        .execute(&mut *c)
+                        .await?;
+                    if r.rows_affected() != 1 {
+                        return Err(sqlx::Error::RowNotFound); // Roll back: no longer ours.
+                    }
+                    Ok(Reserved::Progress {
+                        complete: p.complete,
+                    })
+                })
+            })
+            .await
+    }
+
+    async fn heartbeat(&self) -> Result<bool, WriteError> {
+        let inner = &self.flow.inner;
+        let (db, fence) = (inner.db.clone(), inner.fence.clone());
+        let q = queries(db.dialect());
+        let now = inner.now_ms();
+        let lease_until = now + inner.cfg.lease.as_millis() as i64;
+        let (id, version, token) = (self.id, self.version, self.token.clone());
+        inner
+            .db
+            .write(&CancellationToken::new(), move |c| {
+                Box::pin(async move {
+                    if !fence.holds(c, &db).await? {
+                        return Ok(false);
+                    }
+                    let r = sqlx::query(q.get("heartbeat"))
+                        .bind(lease_until)
+                        .bind(now)
+                        .bind(id)
+                        .bind(token.as_str())
+                        .bind(version)
+                        .bind(now)
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(r.rows_affected() == 1)
+                })
+            })
+            .await
+    }
+
+    /// A reservation or heartbeat rolled back: give the claim up until `retry_backoff` from
+    /// now (the lease-expiry half of the claim takes it again then), instead of a hot retry.
+    async fn defer(&self, error: &WriteError) -> Result<(), AttemptError> {
+        let inner = &self.flow.inner;
+        let (db, fence) = (inner.db.clone(), inner.fence.clone());
+        let q = queries(db.dialect());
+        let now = inner.now_ms();
+        let until = now + inner.cfg.retry_backoff.as_millis() as i64;
+        let (id, token) = (self.id, self.token.clone());
+        inner
+            .db
+            .write(&CancellationToken::new(), move |c| {
+                Box::pin(async move {
+                    if fence.holds(c, &db).await? {
+                        sqlx::query(q.get("defer"))
+                            .bind(until)
+                            .bind(now)
+                            .bind(id)
+                            .bind(token.as_str())
+                            .execute(&mut *c)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .await
+            .map_err(|e| {
+                AttemptError::new(format!(
+                    "schedule {id}: {error}; deferring the claim failed too: {e}"
+                ))
+            })?;
+        if let Some(w) = inner.waker.get() {
+            w.wake();
+        }
+        Ok(())
+    }
+
+    /// Gives the claim back (cancelled before finishing): the schedule is claimable at once.
+    async fn release(&self) -> Result<(), AttemptError> {
+        let inner = &self.flow.inner;
+        let (db, fence) = (inner.db.clone(), inner.fence.clone());
+        let q = queries(db.dialect());
+        let now = inner.now_ms();
+        let (id, token) = (self.id, self.token.clone());
+        inner
+            .db
+            .write(&CancellationToken::new(), move |c| {
+                Box::pin(async move {
+                    if fence.holds(c, &db).await? {
+                        sqlx::query(q.get("release"))
+                            .bind(now)
+                            .bind(id)
+                            .bind(token.as_str())
+                            .execute(&mut *c)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .await
+            .map_err(|e| AttemptError::new(format!("releasing schedule {id} failed: {e}")))?;
+        if let Some(w) = inner.waker.get() {
+            w.wake();
+        }
+        Ok(())
+    }
+}
+
+impl Attempt for FlowAttempt {
+    async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
+        let faults = self.flow.inner.faults.clone();
+        faults.hit(CrashPoint::BeforeEffect).map_err(crash)?;
+        let mut first = true;
+        loop {
+            if cancel.is_cancelled() {
+                return self.release().await;
+            }
+            if !first {
+                faults.hit(CrashPoint::DuringHeartbeat).map_err(crash)?;
+                match retrying(&cancel, || self.heartbeat()).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        faults.hit(CrashPoint::LeaseExpiry).map_err(crash)?;
+                        return Ok(()); // Lost the lease: the new holder reserves.
+                    }
+                    Err(WriteError::Cancelled) => return self.release().await,
+                    Err(e) if e.is_not_committed() => return self.defer(&e).await,
+                    Err(e) => {
+                        // Ambiguous: fail stop (the lease returns the schedule).
+                        return Err(AttemptError::new(format!(
+                            "schedule {}: heartbeat outcome unknown: {e}",
+                            self.id
+                        )));
+                    }
+                }
+            }
+            first = false;
+            // The reservation commits runs and cursor together: effect and disposition are one.
+            faults.hit(CrashPoint::BeforeDisposition).map_err(crash)?;
+            match retrying(&cancel, || self.reserve(&cancel)).await {
+                Ok(Reserved::Stale) | Err(WriteError::NotCommitted(sqlx::Error::RowNotFound)) => {
+                    faults.hit(CrashPoint::LeaseExpiry).map_err(crash)?;
+                    return Ok(());
+                }
+                Ok(Reserved::Progress { complete }) => {
+                    faults.hit(CrashPoint::AfterEffect).map_err(crash)?;
+                    if complete {
+                        faults.hit(CrashPoint::AfterDisposition).map_err(crash)?;
+                        return Ok(());
+                    }
+                }
+                Err(WriteError::Cancelled) => return self.release().await,
+                Err(e) if e.is_not_committed() => return self.defer(&e).await,
+                Err(e) => {
+                    // The commit's answer was lost: fail stop rather than guess (a restart
+                    // re-reads the cursor; the unique run key makes the retry exact).
+                    return Err(AttemptError::new(format!(
+                        "schedule {}: reservation outcome unknown: {e}",
+                        self.id
+                    )));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! Helpers every work family needs around its SQL: epoch-millisecond times, text columns that
+//! MariaDB reports as BLOB, unique-violation and lock-contention detection, contention retries,
+//! and claim tokens.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sqlx::Row;
+use tokio_util::sync::CancellationToken;
+
+use crate::WriteError;
+
+/// `t` as epoch milliseconds (the store's time unit); times before the epoch are 0.
+#[must_use]
+pub fn to_ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// Epoch milliseconds as a time; negative values are the epoch.
+#[must_use]
+pub fn from_ms(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+/// Reads a text column, which MariaDB reports as BLOB through the `Any` driver.
+///
+/// # Errors
+///
+/// The column is missing, NULL, or not UTF-8.
+pub fn text(r: &sqlx::any::AnyRow, index: usize) -> Result<String, sqlx::Error> {
+    match r.try_get::<String, _>(index) {
+        Ok(s) => Ok(s),
+        Err(_) => {
+            let bytes: Vec<u8> = r.try_get(index)?;
+            String::from_utf8(bytes).map_err(|e| sqlx::Error::Decode(Box::new(e)))
+        }
+    }
+}
+
+/// Whether `e` is a unique-constraint violation, on any backend.
+#[must_use]
+pub fn is_unique_violation(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(d) => {
+            d.is_unique_violation() || {
+                let m = d.message().to_ascii_lowercase();
+                m.contains("unique") || m.contains("duplicate")
+            }
+        }
+        _ => false,
+    }
+}
+
+/// Whether a rolled-back transaction failed only because of lock contention (a deadlock or
+/// serialization failure, or SQLite's busy lock): safe and sensible to retry at once.
+#[must_use]
+pub fn is_contention(e: &WriteError) -> bool {
+    let WriteError::NotCommitted(sqlx::Error::Database(d)) = e else {
+        return false;
+    };
+    let code = d.code().unwrap_or_default();
+    matches!(
+        code.as_ref(),
+        "40001" | "40P01" | "1213" | "1205" | "5" | "6" | "517"
+    ) || d.message().contains("Deadlock found")
+        || d.message().contains("database is locked")
+}
+
+/// Runs `op` again (up to 8 times, 5 ms doubling to 200 ms with jitter, cancel-aware) while it
+/// fails with lock contention, which is a proven rollback.
+///
+/// # Errors
+///
+/// The last error, or [`WriteError::Cancelled`] when cancelled between tries.
+pub async fn retrying<T, F, Fut>(cancel: &CancellationToken, mut op: F) -> Result<T, WriteError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, WriteError>>,
+{
+    let mut delay = Duration::from_millis(5);
+    for _ in 0..8 {
+        match op().await {
+            Err(e) if is_contention(&e) && !cancel.is_cancelled() => {
+                let jitter = Duration::from_micros(
+                    u64::from(
+                        SystemTime::now()
+                            .duration_since(UNIX_EPOCH)
+                            .map(|d| d.subsec_micros())
+                            .unwrap_or(0),
+                    ) % (delay.as_micros() as u64 + 1),
+                );
+                tokio::select! {
+                    () = cancel.cancelled() => return Err(WriteError::Cancelled),
+                    () = tokio::time::sleep(delay + jitter) => {}
+                }
+                delay = (delay * 2).min(Duration::from_millis(200));
+            }
+            other => return other,
+        }
+    }
+    op().await
+}
+
+/// A fresh 128-bit claim token, as 32 hex digits.
+#[must_use]
+pub fn new_token() -> String {
+    use std::collections::hash_map::RandomState;
+    use std::hash::{BuildHasher, Hasher};
+    let mut a = RandomState::new().build_hasher();
+    a.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    let mut b = RandomState::new().build_hasher();
+    b.write_u64(a.finish());
+    format!("{:016x}{:016x}", a.finish(), b.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_distinct_and_times_round_trip() {
+        assert_ne!(new_token(), new_token());
+        assert_eq!(new_token().len(), 32);
+        let t = from_ms(1_700_000_000_123);
+        assert_eq!(to_ms(t), 1_700_000_000_123);
+        assert_eq!(to_ms(from_ms(-5)), 0);
+    }
+}
