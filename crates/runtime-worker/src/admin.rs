@@ -66,7 +66,8 @@ fn snapshot_json(s: &Snapshot) -> Value {
         },
         "wakes_received": s.wakes_received, "wakes_coalesced": s.wakes_coalesced,
         "timers_armed": s.timers_armed, "timers_fired": s.timers_fired,
-        "overdue_suppressed": s.overdue_suppressed, "generation_probes": s.generation_probes,
+        "overdue_suppressed": s.overdue_suppressed, "due_during_claim": s.due_during_claim,
+        "generation_probes": s.generation_probes,
         "generation_changes": s.generation_changes, "generation_losses": s.generation_losses,
         "poisoned": s.poisoned,
     })
@@ -137,6 +138,10 @@ const COUNTERS: &[(&str, &str)] = &[
     (
         "nexuscrm_worker_overdue_suppressed_total",
         "Already-due next_work_at answers not re-armed.",
+    ),
+    (
+        "nexuscrm_worker_due_during_claim_total",
+        "next_work_at answers that fell due during the latest claim, claimed again at once.",
     ),
     (
         "nexuscrm_worker_generation_changes_total",
@@ -224,6 +229,11 @@ async fn metrics(State(admin): State<Admin>) -> Response {
             "nexuscrm_worker_overdue_suppressed_total".into(),
             l.clone(),
             s.overdue_suppressed as f64,
+        ));
+        values.push((
+            "nexuscrm_worker_due_during_claim_total".into(),
+            l.clone(),
+            s.due_during_claim as f64,
         ));
         values.push((
             "nexuscrm_worker_generation_changes_total".into(),

@@ -457,6 +457,9 @@ struct Run<S: Source> {
     reusable: Option<(RunErrorKind, &'static str, SourceError)>,
     abandoned: usize,
     claim_pending: bool,
+    /// When the latest claim began (the controller's clock): a due time after it fell due while
+    /// or after that claim read the store, so claiming again is not an empty replay.
+    claim_started: Option<SystemTime>,
     backstop_due: bool,
     timer: Option<Instant>,
     next_backstop: Instant,
@@ -483,6 +486,7 @@ impl<S: Source> Run<S> {
             reusable: None,
             abandoned: 0,
             claim_pending: false,
+            claim_started: None,
             backstop_due: false,
             timer: None,
             next_backstop: Instant::now(),
@@ -770,6 +774,7 @@ impl<S: Source> Run<S> {
             bump(&self.counters().wakes_coalesced);
         }
         bump(&self.counters().claim_calls);
+        self.claim_started = Some(self.config.clock.now());
         let src = self.source.clone();
         let token = self.stop.clone();
         let result = self.op(async move { src.claim(free, token).await }).await;
@@ -826,6 +831,15 @@ impl<S: Source> Run<S> {
                     Ok(d) if !d.is_zero() => {
                         self.timer = Some(Instant::now() + d.min(MAX_TIMER));
                         bump(&self.counters().timers_armed);
+                    }
+                    _ if self.claim_started.is_some_and(|c| at > c) => {
+                        // It fell due after the latest claim read the store (a due time between
+                        // that claim and this read): not something that claim declined. Claim
+                        // again at once; the next claim starts later than `at`, so this cannot
+                        // repeat without new work falling due.
+                        self.timer = None;
+                        self.claim_pending = true;
+                        bump(&self.counters().due_during_claim);
                     }
                     _ => {
                         // Already due: the claim just declined continuation, so re-arming at

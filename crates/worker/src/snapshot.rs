@@ -91,6 +91,9 @@ pub struct Snapshot {
     pub timers_fired: u64,
     /// Already-due `next_work_at` answers that were deliberately not armed.
     pub overdue_suppressed: u64,
+    /// `next_work_at` answers due after the latest claim began (work that fell due during or
+    /// after that claim): claimed again at once.
+    pub due_during_claim: u64,
     /// Generation probe calls (`generation` and `generation_changed`).
     pub generation_probes: u64,
     /// Changed generation cursors observed.
@@ -125,6 +128,7 @@ pub(crate) struct Counters {
     pub(crate) timers_armed: AtomicU64,
     pub(crate) timers_fired: AtomicU64,
     pub(crate) overdue_suppressed: AtomicU64,
+    pub(crate) due_during_claim: AtomicU64,
     pub(crate) generation_probes: AtomicU64,
     pub(crate) generation_changes: AtomicU64,
     pub(crate) generation_spurious: AtomicU64,
@@ -174,6 +178,7 @@ impl Counters {
             timers_armed: l(&self.timers_armed),
             timers_fired: l(&self.timers_fired),
             overdue_suppressed: l(&self.overdue_suppressed),
+            due_during_claim: l(&self.due_during_claim),
             generation_probes: l(&self.generation_probes),
             generation_changes: l(&self.generation_changes),
             generation_spurious: l(&self.generation_spurious),

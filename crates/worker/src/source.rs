@@ -87,7 +87,9 @@ pub trait Source: Send + Sync + 'static {
     /// Read-only: the earliest strictly-future execution opportunity after a terminal batch.
     ///
     /// `None` means nothing is scheduled. A time that is already due is not re-armed (see
-    /// [`Snapshot::overdue_suppressed`](crate::Snapshot::overdue_suppressed)).
+    /// [`Snapshot::overdue_suppressed`](crate::Snapshot::overdue_suppressed)), unless it is
+    /// later than the start of the claim just made: work that fell due while that claim ran is
+    /// claimed at once ([`Snapshot::due_during_claim`](crate::Snapshot::due_during_claim)).
     ///
     /// # Cancel safety
     ///

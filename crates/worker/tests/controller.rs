@@ -310,6 +310,27 @@ async fn a_newer_earlier_due_time_replaces_the_older_timer() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn work_that_fell_due_during_the_claim_is_claimed_at_once_but_only_once() {
+    let src = ScriptedSource::new();
+    // The first claim takes 2 s; the answer after it is due 1 s ago, i.e. 1 s after that
+    // claim began: it fell due while the claim ran, so it is claimed again at once. The second
+    // answer is due 5 s ago, before the second claim began: suppressed, no replay.
+    src.push_claim(Step::ok(ClaimPlan::empty()).after(2 * SEC));
+    src.push_next_work_at(Step::ok(Due::Ago(SEC)));
+    src.push_next_work_at(Step::ok(Due::Ago(5 * SEC)));
+    let r = start(&src);
+    sleep(10 * SEC).await;
+    settle().await;
+    assert_calls!(src, reconcile = 1, claim = 2, next_work_at = 2);
+    assert_eq!(src.times(Op::Claim), vec![Duration::ZERO, 2 * SEC]);
+    let snap = r.handle.snapshot();
+    assert_eq!((snap.due_during_claim, snap.overdue_suppressed), (1, 1));
+    assert_eq!(snap.timers_armed, 0);
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_already_due_next_work_at_is_not_armed_and_nothing_runs_until_wake_or_backstop() {
     for due in [Due::Ago(Duration::ZERO), Due::Ago(Duration::from_secs(5))] {
         let src = ScriptedSource::new();
