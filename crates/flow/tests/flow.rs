@@ -1,0 +1,554 @@
+//! Scheduled Flow against real SQLite, PostgreSQL and MariaDB: the producer API, misfire
+//! policies after downtime, an update racing a reservation, exact claim budgets while idle, and
+//! four workers reserving 500 schedules every second.
+
+mod common;
+
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use common::*;
+use nexuscrm_flow::{
+    FlowErrorKind, FlowOptions, FlowSource, MisfirePolicy, NewSchedule, ScheduleUpdate, Spec,
+};
+use nexuscrm_persistence::Dialect;
+use nexuscrm_persistence::support::from_ms;
+use nexuscrm_worker::{Attempt, ClaimBatch, Generation, Source, SourceError};
+use tokio_util::sync::CancellationToken;
+
+const MIN: i64 = 60_000;
+
+fn every(secs: u64) -> Spec {
+    Spec::Every(Duration::from_secs(secs))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_producer_rejects_bad_input_before_storing_and_changes_in_one_transaction() {
+    for d in DIALECTS {
+        let Some((t, flow)) = flow_on(d, "producer", FlowOptions::default()).await else {
+            continue;
+        };
+        let bad = [
+            (Spec::cron("0 61 * * * *", "UTC"), "invalid cron expression"),
+            (
+                Spec::cron("0 0 * * * *", "Mars/Olympus"),
+                "unknown time zone",
+            ),
+            (Spec::cron("0 0 0 30 2 *", "UTC"), "never fires"),
+            (Spec::Every(Duration::from_millis(5)), "outside"),
+        ];
+        for (spec, why) in bad {
+            let e = flow
+                .create(NewSchedule::new("s", "f", spec, MisfirePolicy::FireOnce))
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), FlowErrorKind::Invalid, "{d}: {e}");
+            assert!(e.to_string().contains(why), "{d}: {e}");
+        }
+        let e = flow
+            .create(NewSchedule::new("", "f", every(1), MisfirePolicy::Skip))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), FlowErrorKind::Invalid);
+        assert!(
+            flow.list(10).await.unwrap().is_empty(),
+            "{d}: nothing stored"
+        );
+
+        // Create is idempotent for the same definition, a conflict for another.
+        let def = NewSchedule::new(
+            "nightly",
+            "digest",
+            Spec::cron("0 30 2 * * *", "Europe/Berlin"),
+            MisfirePolicy::CatchUp { max: 3 },
+        );
+        let a = flow.create(def.clone()).await.unwrap();
+        let b = flow.create(def.clone()).await.unwrap();
+        assert!(a.created && !b.created && a.id == b.id, "{d}");
+        let mut other = def.clone();
+        other.spec = every(60);
+        let e = flow.create(other).await.unwrap_err();
+        assert_eq!(e.kind(), FlowErrorKind::Conflict, "{d}: {e}");
+
+        let s = flow.schedule(a.id).await.unwrap().unwrap();
+        assert_eq!((s.version, s.state.as_str(), s.runs), (1, "active", 0));
+        let next = s.next_occurrence_at.unwrap();
+        assert!(
+            next > SystemTime::now(),
+            "{d}: the cursor is the next 02:30 in Berlin"
+        );
+
+        // Update: new spec, cursor recomputed, version bumped; optimistic version check.
+        let u = flow
+            .update(
+                a.id,
+                ScheduleUpdate {
+                    spec: Some(every(3600)),
+                    policy: Some(MisfirePolicy::Skip),
+                    expected_version: Some(1),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(u.version, 2);
+        assert_eq!(u.policy, MisfirePolicy::Skip);
+        let c = ms(u.next_occurrence_at.unwrap());
+        assert_eq!(c % 3_600_000, 0, "{d}: aligned to the hour (epoch anchor)");
+        assert!(c >= ms(SystemTime::now()) - 1000 && c <= ms(SystemTime::now()) + 3_600_000);
+        let e = flow
+            .update(
+                a.id,
+                ScheduleUpdate {
+                    expected_version: Some(1),
+                    ..ScheduleUpdate::default()
+                },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), FlowErrorKind::Conflict, "{d}: {e}");
+        let e = flow
+            .update(
+                a.id,
+                ScheduleUpdate {
+                    spec: Some(Spec::cron("nope", "UTC")),
+                    ..ScheduleUpdate::default()
+                },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), FlowErrorKind::Invalid);
+        assert_eq!(flow.schedule(a.id).await.unwrap().unwrap().version, 2);
+
+        // Pause, resume, delete.
+        let p = flow.pause(a.id).await.unwrap();
+        assert_eq!((p.state.as_str(), p.version), ("paused", 3));
+        assert_eq!(flow.pause(a.id).await.unwrap().version, 3, "idempotent");
+        let r = flow.resume(a.id).await.unwrap();
+        assert_eq!((r.state.as_str(), r.version), ("active", 4));
+        flow.delete(a.id).await.unwrap();
+        assert!(flow.schedule(a.id).await.unwrap().is_none());
+        let e = flow.pause(a.id).await.unwrap_err();
+        assert_eq!(e.kind(), FlowErrorKind::NotFound);
+        t.drop_database().await;
+    }
+}
+
+async fn claim_all(source: &FlowSource) -> Vec<nexuscrm_flow::FlowAttempt> {
+    source
+        .claim(NonZeroUsize::new(64).unwrap(), CancellationToken::new())
+        .await
+        .unwrap()
+        .into_parts()
+        .0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_downtime_a_restarted_worker_applies_each_misfire_policy_exactly() {
+    for d in DIALECTS {
+        let t0 = from_ms(1_800_000_000_000); // A whole minute.
+        let clock = ManualClock::at(t0 - Duration::from_secs(1));
+        let options = FlowOptions::default()
+            .clock(clock.clone())
+            .config(test_config().chunk(4));
+        let Some((t, flow)) = flow_on(d, "downtime", options).await else {
+            continue;
+        };
+        let policies = [
+            ("catch-up-all", MisfirePolicy::CatchUp { max: 100 }),
+            ("catch-up-3", MisfirePolicy::CatchUp { max: 3 }),
+            ("fire-once", MisfirePolicy::FireOnce),
+            ("skip", MisfirePolicy::Skip),
+        ];
+        let mut ids = Vec::new();
+        for (name, policy) in policies {
+            let mut s = NewSchedule::new(name, "report", every(60), policy);
+            s.start_at = Some(t0);
+            ids.push(flow.create(s).await.unwrap().id);
+        }
+        // A skip schedule whose latest occurrence is within the grace when the worker returns.
+        let mut s = NewSchedule::new("skip-on-time", "report", every(60), MisfirePolicy::Skip);
+        s.start_at = Some(t0 + Duration::from_secs(10 * 60 + 25));
+        ids.push(flow.create(s).await.unwrap().id);
+
+        // No worker ran for 10.5 minutes: occurrences t0 .. t0+10m (11 of them) are due.
+        let back = t0 + Duration::from_secs(10 * 60 + 30);
+        clock.set(back);
+        let cancel = CancellationToken::new();
+        let cfg = controller_config("downtime", 8).clock(clock.clone());
+        let run = tokio::spawn(worker(flow.clone(), cfg, cancel.clone()));
+        wait_cursors_past(&t.db, ms(back), Duration::from_secs(60)).await;
+        cancel.cancel();
+        run.await.unwrap();
+
+        let runs = runs_by_schedule(&t.db).await;
+        let at = |m: i64| ms(t0) + m * MIN;
+        let want: [Vec<i64>; 5] = [
+            (0..=10).map(at).collect(),
+            vec![at(8), at(9), at(10)],
+            vec![at(10)],
+            vec![],
+            vec![at(10) + 25_000],
+        ];
+        for (i, id) in ids.iter().enumerate() {
+            let got = runs.get(&id.0).cloned().unwrap_or_default();
+            assert_eq!(got, want[i], "{d}: schedule {i}");
+            let s = flow.schedule(*id).await.unwrap().unwrap();
+            let cursor = ms(s.next_occurrence_at.unwrap());
+            let expect = if i == 4 { at(11) + 25_000 } else { at(11) };
+            assert_eq!(cursor, expect, "{d}: schedule {i} resumes after now");
+            assert_eq!(s.state, "active");
+        }
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_update_racing_a_reservation_rejects_the_stale_reservation_and_the_new_spec_governs() {
+    for d in DIALECTS {
+        let t0 = from_ms(1_800_000_000_000);
+        let clock = ManualClock::at(t0 - Duration::from_secs(1));
+        let options = FlowOptions::default()
+            .clock(clock.clone())
+            .config(test_config());
+        let Some((t, flow)) = flow_on(d, "race", options).await else {
+            continue;
+        };
+        let mut s = NewSchedule::new("r", "f", every(60), MisfirePolicy::CatchUp { max: 10 });
+        s.start_at = Some(t0);
+        let id = flow.create(s).await.unwrap().id;
+        clock.set(t0 + Duration::from_secs(1));
+        let source = flow.source();
+        let mut claimed = claim_all(&source).await;
+        assert_eq!(claimed.len(), 1);
+        // The producer changes the spec while the reservation is in flight.
+        let u = flow
+            .update(
+                id,
+                ScheduleUpdate {
+                    spec: Some(every(3600)),
+                    ..ScheduleUpdate::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(u.version, 2);
+        let new_cursor = ms(t0) + 3_600_000;
+        assert_eq!(ms(u.next_occurrence_at.unwrap()), new_cursor);
+        claimed
+            .pop()
+            .unwrap()
+            .run(CancellationToken::new())
+            .await
+            .unwrap();
+        assert!(
+            runs_by_schedule(&t.db).await.is_empty(),
+            "{d}: the stale reservation inserted nothing"
+        );
+        let s = flow.schedule(id).await.unwrap().unwrap();
+        assert_eq!((s.version, s.state.as_str()), (2, "active"));
+        assert_eq!(ms(s.next_occurrence_at.unwrap()), new_cursor, "{d}");
+        // Nothing is due under the new spec until its first occurrence.
+        assert!(claim_all(&source).await.is_empty());
+        clock.set(from_ms(new_cursor + 1));
+        for a in claim_all(&source).await {
+            a.run(CancellationToken::new()).await.unwrap();
+        }
+        let runs = flow.runs(Some(id), 10).await.unwrap();
+        assert_eq!(runs.len(), 1);
+        assert_eq!(ms(runs[0].occurrence_at), new_cursor);
+        assert_eq!(
+            runs[0].schedule_version, 2,
+            "{d}: reserved under the new version"
+        );
+
+        // Concurrent races: whichever commits first, each occurrence has at most one run, and
+        // after the update the cursor is the new spec's.
+        for round in 0..10i64 {
+            let base = new_cursor + (round + 1) * 7_200_000;
+            let spec = if round % 2 == 0 {
+                every(60)
+            } else {
+                every(3600)
+            };
+            flow.update(
+                id,
+                ScheduleUpdate {
+                    spec: Some(spec),
+                    ..ScheduleUpdate::default()
+                },
+            )
+            .await
+            .unwrap();
+            clock.set(from_ms(base + 1));
+            let attempts = claim_all(&source).await;
+            let racer = flow.clone();
+            let update = tokio::spawn(async move {
+                racer
+                    .update(
+                        id,
+                        ScheduleUpdate {
+                            spec: Some(every(1800)),
+                            ..ScheduleUpdate::default()
+                        },
+                    )
+                    .await
+                    .unwrap()
+            });
+            for a in attempts {
+                a.run(CancellationToken::new()).await.unwrap();
+            }
+            let u = update.await.unwrap();
+            let s = flow.schedule(id).await.unwrap().unwrap();
+            assert_eq!(s.version, u.version, "{d}: the update is the last word");
+            let c = ms(s.next_occurrence_at.unwrap());
+            assert_eq!((c - ms(t0)) % 1_800_000, 0, "{d}: the new spec governs");
+        }
+        let (total, distinct) = run_counts(&t.db).await;
+        assert_eq!(total, distinct, "{d}: no occurrence reserved twice");
+        t.drop_database().await;
+    }
+}
+
+/// A source wrapper that records how many schedules each claim returned.
+#[derive(Debug, Clone)]
+struct Recorded {
+    inner: FlowSource,
+    claims: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Source for Recorded {
+    type Attempt = nexuscrm_flow::FlowAttempt;
+
+    async fn check_ready(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+        self.inner.check_ready(cancel).await
+    }
+
+    async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+        self.inner.reconcile(cancel).await
+    }
+
+    async fn claim(
+        &self,
+        capacity: NonZeroUsize,
+        cancel: CancellationToken,
+    ) -> Result<ClaimBatch<Self::Attempt>, SourceError> {
+        let batch = self.inner.claim(capacity, cancel).await?;
+        let (attempts, more) = batch.into_parts();
+        self.claims.lock().unwrap().push(attempts.len());
+        Ok(if more {
+            ClaimBatch::more(attempts)
+        } else {
+            ClaimBatch::done(attempts)
+        })
+    }
+
+    async fn next_work_at(
+        &self,
+        cancel: CancellationToken,
+    ) -> Result<Option<SystemTime>, SourceError> {
+        self.inner.next_work_at(cancel).await
+    }
+
+    async fn generation(
+        &self,
+        cancel: CancellationToken,
+    ) -> Result<Option<Generation>, SourceError> {
+        self.inner.generation(cancel).await
+    }
+
+    async fn generation_changed(
+        &self,
+        seen: Generation,
+        cancel: CancellationToken,
+    ) -> Result<Generation, SourceError> {
+        self.inner.generation_changed(seen, cancel).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_worker_claims_only_at_due_times_and_never_between_them() {
+    for d in DIALECTS {
+        let Some((t, flow)) =
+            flow_on(d, "idle", FlowOptions::default().config(test_config())).await
+        else {
+            continue;
+        };
+        // Two schedules, every 2 s, due at the next whole second + 1 s and + 2 s.
+        let start = next_second(SystemTime::now()) + Duration::from_secs(1);
+        for (i, offset) in [0u64, 1].into_iter().enumerate() {
+            let mut s = NewSchedule::new(format!("s{i}"), "f", every(2), MisfirePolicy::Skip);
+            s.start_at = Some(start + Duration::from_secs(offset));
+            flow.create(s).await.unwrap();
+        }
+        let claims = Arc::new(Mutex::new(Vec::new()));
+        let source = Recorded {
+            inner: flow.source(),
+            claims: claims.clone(),
+        };
+        let ctl = nexuscrm_worker::Controller::new(source, controller_config("idle", 4)).unwrap();
+        let cancel = CancellationToken::new();
+        let run = tokio::spawn(ctl.run(cancel.clone()));
+        tokio::time::sleep(
+            start.duration_since(SystemTime::now()).unwrap_or_default()
+                + Duration::from_millis(5_500),
+        )
+        .await;
+        cancel.cancel();
+        let ctl = run.await.unwrap().expect("clean stop");
+        let claims = claims.lock().unwrap().clone();
+        let runs: i64 = runs_by_schedule(&t.db)
+            .await
+            .values()
+            .map(|v| v.len() as i64)
+            .sum();
+        // Occurrences at start+0..=5 s: six reservations, each claimed at its due time.
+        assert!(runs >= 5, "{d}: {runs} runs");
+        assert_eq!(
+            claims[0], 0,
+            "{d}: the start-up claim finds nothing due yet"
+        );
+        assert!(
+            claims[1..].iter().all(|&n| n > 0),
+            "{d}: a claim between due times found nothing: {claims:?}"
+        );
+        assert_eq!(
+            claims[1..].iter().sum::<usize>() as i64,
+            runs,
+            "{d}: {claims:?}"
+        );
+        let snap = ctl.handle().snapshot();
+        assert_eq!(snap.claim_calls as usize, claims.len());
+        assert_eq!(snap.overdue_suppressed, 0, "{d}");
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_postgres_worker_issues_no_statements_between_due_times() {
+    let Some((t, flow)) = flow_on(
+        Dialect::Postgres,
+        "idlepg",
+        FlowOptions::default().config(test_config().listen(true)),
+    )
+    .await
+    else {
+        return;
+    };
+    let due = next_second(SystemTime::now()) + Duration::from_secs(3);
+    let mut s = NewSchedule::new("hourly", "f", every(3600), MisfirePolicy::Skip);
+    s.start_at = Some(due);
+    flow.create(s).await.unwrap();
+    let ctl = nexuscrm_worker::Controller::new(flow.source(), controller_config("pg", 4)).unwrap();
+    flow.set_waker(ctl.waker());
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(ctl.run(cancel.clone()));
+    // Let start-up finish, then watch a window that ends before the due time.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let window_start = SystemTime::now();
+    tokio::time::sleep(
+        due.duration_since(SystemTime::now()).unwrap_or_default() - Duration::from_millis(300),
+    )
+    .await;
+    let busy: i64 = nexuscrm_persistence::sqlx::query_scalar(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND pid <> pg_backend_pid() AND query NOT LIKE '%pg_stat_activity%' \
+         AND query_start > now() - make_interval(secs => $1)",
+    )
+    .bind(
+        SystemTime::now()
+            .duration_since(window_start)
+            .unwrap()
+            .as_secs_f64(),
+    )
+    .fetch_one(t.db.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        busy, 0,
+        "an idle worker issued statements before the due time"
+    );
+    wait_cursors_past(&t.db, ms(due), Duration::from_secs(10)).await;
+    cancel.cancel();
+    run.await.unwrap().expect("clean stop");
+    let runs = flow.runs(None, 10).await.unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0].occurrence_at, due);
+    t.drop_database().await;
+}
+
+async fn load(d: Dialect) {
+    let secs: u64 = std::env::var("NEXUSCRM_FLOW_LOAD_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    let Some((t, producer)) =
+        flow_on(d, "load", FlowOptions::default().config(test_config())).await
+    else {
+        return;
+    };
+    let start = next_second(SystemTime::now()) + Duration::from_secs(2);
+    for i in 0..500 {
+        let mut s = NewSchedule::new(
+            format!("load-{i}"),
+            "tick",
+            every(1),
+            MisfirePolicy::CatchUp { max: 1000 },
+        );
+        s.start_at = Some(start);
+        producer.create(s).await.unwrap();
+    }
+    let cancel = CancellationToken::new();
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let db = nexuscrm_persistence::Db::connect(&t.url).await.unwrap();
+        let flow = nexuscrm_flow::Flow::without_migrations(
+            db,
+            1,
+            FlowOptions::default().config(test_config()),
+        );
+        workers.push(tokio::spawn(worker(
+            flow,
+            controller_config(&format!("w{w}"), 64),
+            cancel.clone(),
+        )));
+    }
+    let end = start + Duration::from_secs(secs);
+    tokio::time::sleep(end.duration_since(SystemTime::now()).unwrap_or_default()).await;
+    // Every occurrence up to the end is reserved shortly after it is due.
+    wait_cursors_past(&t.db, ms(end), Duration::from_secs(30)).await;
+    cancel.cancel();
+    let mut claimed = Vec::new();
+    for w in workers {
+        claimed.push(w.await.unwrap());
+    }
+    let runs = runs_by_schedule(&t.db).await;
+    let cursors = cursors(&t.db).await;
+    assert_eq!(cursors.len(), 500);
+    let mut total = 0;
+    for (id, cursor) in &cursors {
+        let r = runs.get(id).map(Vec::as_slice).unwrap_or_default();
+        assert_exact(&format!("{d}"), *id, ms(start), 1000, r, *cursor);
+        total += r.len();
+    }
+    let (rows, distinct) = run_counts(&t.db).await;
+    assert_eq!((rows, distinct), (total as i64, total as i64), "{d}");
+    assert!(total >= 500 * secs as usize, "{d}: {total} runs");
+    println!("{d}: {total} runs by 4 workers (claimed {claimed:?})");
+    t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_workers_reserve_500_schedules_every_second_exactly_once_on_sqlite() {
+    load(Dialect::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_workers_reserve_500_schedules_every_second_exactly_once_on_postgres() {
+    load(Dialect::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_workers_reserve_500_schedules_every_second_exactly_once_on_mysql() {
+    load(Dialect::Mysql).await;
+}
