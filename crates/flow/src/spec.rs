@@ -367,6 +367,14 @@ pub(crate) fn plan(
     }
 }
 
+/// Formats a time as RFC 3339 in UTC with milliseconds, e.g. `2026-12-02T14:00:00.000Z`.
+#[must_use]
+pub fn format_time(t: std::time::SystemTime) -> String {
+    DateTime::<Utc>::from(t)
+        .format("%Y-%m-%dT%H:%M:%S%.3fZ")
+        .to_string()
+}
+
 /// Formats a duration the way [`parse_duration`] reads it.
 #[must_use]
 pub fn format_duration(d: Duration) -> String {

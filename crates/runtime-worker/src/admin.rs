@@ -8,7 +8,8 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use nexuscrm_bulk::{Bulk, Observations};
+use nexuscrm_bulk::Bulk;
+use nexuscrm_flow::Flow;
 use nexuscrm_worker::{ControllerHandle, Declaration, Snapshot};
 use serde_json::{Value, json};
 
@@ -17,7 +18,85 @@ use serde_json::{Value, json};
 pub(crate) struct Family {
     pub(crate) declaration: Declaration,
     pub(crate) handle: ControllerHandle,
-    pub(crate) bulk: Bulk,
+    pub(crate) store: Store,
+}
+
+/// A family's store, for its observations.
+#[derive(Clone, Debug)]
+pub(crate) enum Store {
+    Bulk(Bulk),
+    Flow(Flow),
+}
+
+impl Store {
+    /// The observations as JSON, and as gauges `(name, extra labels, value)`.
+    async fn observations(&self) -> Result<(Value, Vec<(&'static str, String, f64)>), String> {
+        match self {
+            Store::Bulk(bulk) => {
+                let o = bulk.observations().await.map_err(|e| e.to_string())?;
+                let json = json!({
+                    "pending": o.pending, "queue_depth_eligible": o.queue_depth_eligible,
+                    "oldest_eligible_age_ms": o.oldest_eligible_age.map(|d| d.as_millis() as u64),
+                    "running": o.running, "succeeded": o.succeeded, "poisoned": o.poisoned,
+                });
+                let mut g: Vec<(&'static str, String, f64)> = [
+                    ("pending", o.pending),
+                    ("running", o.running),
+                    ("succeeded", o.succeeded),
+                    ("poisoned", o.poisoned),
+                ]
+                .into_iter()
+                .map(|(state, n)| {
+                    (
+                        "nexuscrm_queue_jobs",
+                        format!(",state=\"{state}\""),
+                        n as f64,
+                    )
+                })
+                .collect();
+                g.push((
+                    "nexuscrm_queue_eligible",
+                    String::new(),
+                    o.queue_depth_eligible as f64,
+                ));
+                g.push((
+                    "nexuscrm_queue_oldest_eligible_age_seconds",
+                    String::new(),
+                    o.oldest_eligible_age.map_or(0.0, |d| d.as_secs_f64()),
+                ));
+                Ok((json, g))
+            }
+            Store::Flow(flow) => {
+                let o = flow.observations().await.map_err(|e| e.to_string())?;
+                let json = json!({
+                    "pending": o.active, "active": o.active, "leased": o.leased, "paused": o.paused,
+                    "oldest_due_age_ms": o.oldest_due_age.map(|d| d.as_millis() as u64),
+                    "runs": o.runs,
+                });
+                let mut g: Vec<(&'static str, String, f64)> = [
+                    ("active", o.active),
+                    ("leased", o.leased),
+                    ("paused", o.paused),
+                ]
+                .into_iter()
+                .map(|(state, n)| {
+                    (
+                        "nexuscrm_flow_schedules",
+                        format!(",state=\"{state}\""),
+                        n as f64,
+                    )
+                })
+                .collect();
+                g.push(("nexuscrm_flow_runs", String::new(), o.runs as f64));
+                g.push((
+                    "nexuscrm_flow_oldest_due_age_seconds",
+                    String::new(),
+                    o.oldest_due_age.map_or(0.0, |d| d.as_secs_f64()),
+                ));
+                Ok((json, g))
+            }
+        }
+    }
 }
 
 /// Shared admin state.
@@ -73,20 +152,12 @@ fn snapshot_json(s: &Snapshot) -> Value {
     })
 }
 
-fn observations_json(o: &Observations) -> Value {
-    json!({
-        "pending": o.pending, "queue_depth_eligible": o.queue_depth_eligible,
-        "oldest_eligible_age_ms": o.oldest_eligible_age.map(|d| d.as_millis() as u64),
-        "running": o.running, "succeeded": o.succeeded, "poisoned": o.poisoned,
-    })
-}
-
 async fn snapshot(State(admin): State<Admin>) -> Response {
     let mut families = Vec::new();
     for f in admin.families.iter() {
-        let observations = match f.bulk.observations().await {
-            Ok(o) => observations_json(&o),
-            Err(e) => json!({ "error": e.to_string() }),
+        let observations = match f.store.observations().await {
+            Ok((o, _)) => o,
+            Err(e) => json!({ "error": e }),
         };
         families.push(json!({
             "family": f.declaration.family(),
@@ -265,29 +336,10 @@ async fn metrics(State(admin): State<Admin>) -> Response {
             l.clone(),
             s.capacity as f64,
         ));
-        if let Ok(o) = f.bulk.observations().await {
-            for (state, n) in [
-                ("pending", o.pending),
-                ("running", o.running),
-                ("succeeded", o.succeeded),
-                ("poisoned", o.poisoned),
-            ] {
-                gauges.push((
-                    "nexuscrm_queue_jobs".into(),
-                    format!("{l},state=\"{state}\""),
-                    n as f64,
-                ));
+        if let Ok((_, g)) = f.store.observations().await {
+            for (name, labels, v) in g {
+                gauges.push((name.into(), format!("{l}{labels}"), v));
             }
-            gauges.push((
-                "nexuscrm_queue_eligible".into(),
-                l.clone(),
-                o.queue_depth_eligible as f64,
-            ));
-            gauges.push((
-                "nexuscrm_queue_oldest_eligible_age_seconds".into(),
-                l.clone(),
-                o.oldest_eligible_age.map_or(0.0, |d| d.as_secs_f64()),
-            ));
         }
     }
     for (name, help) in COUNTERS {
@@ -315,6 +367,18 @@ async fn metrics(State(admin): State<Admin>) -> Response {
         (
             "nexuscrm_queue_oldest_eligible_age_seconds",
             "Age of the oldest eligible job (domain observation).",
+        ),
+        (
+            "nexuscrm_flow_schedules",
+            "Schedules by state (domain observation).",
+        ),
+        (
+            "nexuscrm_flow_runs",
+            "Flow runs reserved (domain observation).",
+        ),
+        (
+            "nexuscrm_flow_oldest_due_age_seconds",
+            "How late the most overdue enabled schedule is (domain observation).",
         ),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");

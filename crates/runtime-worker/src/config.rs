@@ -22,6 +22,20 @@ pub(crate) struct RawConfig {
     pub(crate) shutdown_timeout_secs: Option<u64>,
     pub(crate) log_format: Option<String>,
     pub(crate) bulk: Option<RawBulk>,
+    pub(crate) flow: Option<RawFlow>,
+}
+
+/// The `[flow]` table (Scheduled Flow).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawFlow {
+    pub(crate) enabled: Option<bool>,
+    pub(crate) capacity: Option<usize>,
+    pub(crate) reconcile_interval_secs: Option<u64>,
+    pub(crate) lease_secs: Option<f64>,
+    pub(crate) misfire_grace_secs: Option<f64>,
+    pub(crate) listen: Option<bool>,
+    pub(crate) generation_poll_secs: Option<u64>,
 }
 
 /// The `[bulk]` table.
@@ -54,6 +68,19 @@ pub(crate) struct Settings {
     pub(crate) shutdown_timeout: Duration,
     pub(crate) log_format: LogFormat,
     pub(crate) bulk: BulkSettings,
+    pub(crate) flow: FlowSettings,
+}
+
+/// Validated `[flow]` settings.
+#[derive(Debug, Clone)]
+pub(crate) struct FlowSettings {
+    pub(crate) enabled: bool,
+    pub(crate) capacity: usize,
+    pub(crate) reconcile_interval: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) misfire_grace: Duration,
+    pub(crate) listen: bool,
+    pub(crate) generation_poll: Duration,
 }
 
 /// Validated `[bulk]` settings.
@@ -110,6 +137,22 @@ impl RawConfig {
             );
             self.bulk = Some(b);
         }
+        if let Some(of) = other.flow {
+            let mut f = self.flow.take().unwrap_or_default();
+            macro_rules! takef {
+                ($($f:ident),*) => { $( if of.$f.is_some() { f.$f = of.$f; } )* };
+            }
+            takef!(
+                enabled,
+                capacity,
+                reconcile_interval_secs,
+                lease_secs,
+                misfire_grace_secs,
+                listen,
+                generation_poll_secs
+            );
+            self.flow = Some(f);
+        }
         self
     }
 
@@ -139,7 +182,17 @@ impl RawConfig {
             listen: parse("NEXUSCRM_BULK_LISTEN")?,
             generation_poll_secs: parse("NEXUSCRM_BULK_GENERATION_POLL_SECS")?,
         };
+        let flow = RawFlow {
+            enabled: parse("NEXUSCRM_FLOW_ENABLED")?,
+            capacity: parse("NEXUSCRM_FLOW_CAPACITY")?,
+            reconcile_interval_secs: parse("NEXUSCRM_FLOW_RECONCILE_INTERVAL_SECS")?,
+            lease_secs: parse("NEXUSCRM_FLOW_LEASE_SECS")?,
+            misfire_grace_secs: parse("NEXUSCRM_FLOW_MISFIRE_GRACE_SECS")?,
+            listen: parse("NEXUSCRM_FLOW_LISTEN")?,
+            generation_poll_secs: parse("NEXUSCRM_FLOW_GENERATION_POLL_SECS")?,
+        };
         Ok(RawConfig {
+            flow: Some(flow),
             database_url: var("NEXUSCRM_DATABASE_URL"),
             generation: parse("NEXUSCRM_GENERATION")?,
             admin_addr: var("NEXUSCRM_ADMIN_ADDR"),
@@ -233,7 +286,50 @@ impl RawConfig {
         if poll == 0 {
             return Err(bad("bulk.generation_poll_secs", "must be at least 1"));
         }
+        let f = self.flow.unwrap_or_default();
+        let flow_capacity = f.capacity.unwrap_or(8);
+        if flow_capacity == 0 || flow_capacity > 1024 {
+            return Err(bad(
+                "flow.capacity",
+                format!("{flow_capacity} must be 1 to 1024"),
+            ));
+        }
+        let flow_reconcile = f.reconcile_interval_secs.unwrap_or(300);
+        if flow_reconcile == 0 {
+            return Err(bad(
+                "flow.reconcile_interval_secs",
+                "must be at least 1 (the backstop must not become a poll)",
+            ));
+        }
+        let flow_lease = f.lease_secs.unwrap_or(30.0);
+        if !(0.1..=3600.0).contains(&flow_lease) {
+            return Err(bad(
+                "flow.lease_secs",
+                format!("{flow_lease} must be 0.1 to 3600"),
+            ));
+        }
+        let grace = f.misfire_grace_secs.unwrap_or(10.0);
+        if !(0.0..=86_400.0).contains(&grace) {
+            return Err(bad(
+                "flow.misfire_grace_secs",
+                format!("{grace} must be 0 to 86400"),
+            ));
+        }
+        let flow_poll = f.generation_poll_secs.unwrap_or(5);
+        if flow_poll == 0 {
+            return Err(bad("flow.generation_poll_secs", "must be at least 1"));
+        }
+        let flow = FlowSettings {
+            enabled: f.enabled.unwrap_or(true),
+            capacity: flow_capacity,
+            reconcile_interval: Duration::from_secs(flow_reconcile),
+            lease: Duration::from_secs_f64(flow_lease),
+            misfire_grace: Duration::from_secs_f64(grace),
+            listen: f.listen.unwrap_or(true),
+            generation_poll: Duration::from_secs(flow_poll),
+        };
         Ok(Settings {
+            flow,
             database_url: self.database_url.unwrap_or_else(|| DEFAULT_DATABASE.into()),
             generation,
             admin_addr,
@@ -296,5 +392,27 @@ mod tests {
         assert_eq!(s.bulk.lease, Duration::from_secs(5));
         assert_eq!(s.database_url, DEFAULT_DATABASE);
         assert_eq!(s.admin_addr.to_string(), DEFAULT_ADMIN_ADDR);
+        assert!(s.flow.enabled, "Scheduled Flow is on by default");
+        assert_eq!(s.flow.capacity, 8);
+    }
+
+    #[test]
+    fn the_flow_table_is_validated() {
+        let raw: RawConfig = toml::from_str("[flow]\ncapacity = 0").unwrap();
+        assert!(raw.validate().unwrap_err().contains("`flow.capacity`"));
+        let raw: RawConfig = toml::from_str("[flow]\nmisfire_grace_secs = -1").unwrap();
+        assert!(
+            raw.validate()
+                .unwrap_err()
+                .contains("`flow.misfire_grace_secs`")
+        );
+        assert!(toml::from_str::<RawConfig>("[flow]\nlease = 3").is_err());
+        let raw: RawConfig =
+            toml::from_str("[flow]\nenabled = false\nlease_secs = 2.5\nmisfire_grace_secs = 1")
+                .unwrap();
+        let s = raw.validate().unwrap();
+        assert!(!s.flow.enabled);
+        assert_eq!(s.flow.lease, Duration::from_millis(2500));
+        assert_eq!(s.flow.misfire_grace, Duration::from_secs(1));
     }
 }

@@ -12,6 +12,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
 use nexuscrm_bulk::{Bulk, BulkOptions, JobId, NewJob, RowInput};
+use nexuscrm_flow::{
+    Flow, FlowOptions, FlowRun, MisfirePolicy, NewSchedule, ScheduleId, ScheduleStatus, Spec, spec,
+};
 use nexuscrm_persistence::Db;
 use nexuscrm_worker::{Config, Controller};
 use serde_json::{Map, Value, json};
@@ -87,6 +90,74 @@ enum Command {
         #[command(subcommand)]
         command: BulkCommand,
     },
+    /// Scheduled Flow schedules: create, list, pause, resume, delete, runs.
+    Schedule {
+        #[command(subcommand)]
+        command: ScheduleCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ScheduleCommand {
+    /// Create a schedule (acknowledged after commit); prints its id. Repeating the same create
+    /// is safe; the same name with another definition is refused.
+    Create {
+        /// Unique schedule name.
+        name: String,
+        /// The flow each run starts.
+        #[arg(long)]
+        flow: String,
+        /// A cron expression: six fields with seconds (`0 30 9 * * MON-FRI`) or five.
+        #[arg(long, conflicts_with = "every", required_unless_present = "every")]
+        cron: Option<String>,
+        /// The IANA time zone of the cron expression.
+        #[arg(long, default_value = "UTC", requires = "cron")]
+        zone: String,
+        /// A fixed interval instead: 30s, 5m, 2h, 1d.
+        #[arg(long)]
+        every: Option<String>,
+        /// Missed occurrences: fire-once, skip or catch-up.
+        #[arg(long, default_value = "fire-once")]
+        policy: String,
+        /// The bound of catch-up.
+        #[arg(long, default_value_t = 100)]
+        catch_up_max: u32,
+        /// First occurrence at or after now plus this (e.g. 10s); anchors an interval there.
+        #[arg(long)]
+        start_in: Option<String>,
+        /// Create it paused.
+        #[arg(long)]
+        paused: bool,
+    },
+    /// List schedules.
+    List {
+        /// How many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// Pause a schedule by name.
+    Pause {
+        /// The schedule name.
+        name: String,
+    },
+    /// Resume a paused schedule by name (from now: paused occurrences are not run).
+    Resume {
+        /// The schedule name.
+        name: String,
+    },
+    /// Delete a schedule by name (its runs stay).
+    Delete {
+        /// The schedule name.
+        name: String,
+    },
+    /// Reserved runs, newest first: of one schedule, or of all.
+    Runs {
+        /// The schedule name (all schedules when omitted).
+        name: Option<String>,
+        /// How many.
+        #[arg(long, default_value_t = 20)]
+        limit: i64,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -147,6 +218,121 @@ fn main() -> ExitCode {
 
 pub(crate) type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
+async fn open_flow(url: &str) -> Result<Flow, AnyError> {
+    let db = Db::connect(url).await?;
+    Ok(Flow::open(db, 1, FlowOptions::default()).await?)
+}
+
+async fn find(flow: &Flow, name: &str) -> Result<ScheduleId, AnyError> {
+    Ok(flow
+        .by_name(name)
+        .await?
+        .ok_or_else(|| format!("no schedule named {name:?}"))?
+        .id)
+}
+
+fn print_schedule_header() {
+    println!(
+        "{:>5}  {:<28} {:<14} {:<8} {:>4} {:<25} {:>6}  spec / policy",
+        "id", "name", "flow", "state", "ver", "next occurrence", "runs"
+    );
+}
+
+fn print_schedule(s: &ScheduleStatus) {
+    println!(
+        "{:>5}  {:<28} {:<14} {:<8} {:>4} {:<25} {:>6}  {} / {}",
+        s.id,
+        s.name,
+        s.flow,
+        s.state,
+        s.version,
+        s.next_occurrence_at
+            .map_or_else(|| "never".into(), spec::format_time),
+        s.runs,
+        s.spec,
+        s.policy
+    );
+}
+
+fn print_runs(runs: &[FlowRun]) {
+    println!(
+        "{:>7}  {:>8}  {:<14} {:<25} reserved",
+        "run", "schedule", "flow", "occurrence"
+    );
+    for r in runs {
+        println!(
+            "{:>7}  {:>8}  {:<14} {:<25} {}",
+            r.id,
+            r.schedule,
+            r.flow,
+            spec::format_time(r.occurrence_at),
+            spec::format_time(r.reserved_at)
+        );
+    }
+}
+
+async fn schedule_command(url: &str, command: ScheduleCommand) -> Result<ExitCode, AnyError> {
+    let flow = open_flow(url).await?;
+    match command {
+        ScheduleCommand::Create {
+            name,
+            flow: flow_name,
+            cron,
+            zone,
+            every,
+            policy,
+            catch_up_max,
+            start_in,
+            paused,
+        } => {
+            let spec = match (cron, every) {
+                (Some(expr), None) => Spec::cron(expr, zone),
+                (None, Some(d)) => Spec::Every(spec::parse_duration(&d)?),
+                _ => return Err("give --cron EXPR or --every DURATION".into()),
+            };
+            let policy = MisfirePolicy::parse(&policy, catch_up_max)?;
+            let mut new = NewSchedule::new(name, flow_name, spec, policy);
+            new.paused = paused;
+            if let Some(d) = start_in {
+                new.start_at = Some(SystemTime::now() + spec::parse_duration(&d)?);
+            }
+            let c = flow.create(new).await?;
+            println!("{}", c.id);
+            if !c.created {
+                eprintln!("(an existing schedule with this name and definition)");
+            }
+        }
+        ScheduleCommand::List { limit } => {
+            print_schedule_header();
+            for s in flow.list(limit).await? {
+                print_schedule(&s);
+            }
+        }
+        ScheduleCommand::Pause { name } => {
+            let s = flow.pause(find(&flow, &name).await?).await?;
+            print_schedule_header();
+            print_schedule(&s);
+        }
+        ScheduleCommand::Resume { name } => {
+            let s = flow.resume(find(&flow, &name).await?).await?;
+            print_schedule_header();
+            print_schedule(&s);
+        }
+        ScheduleCommand::Delete { name } => {
+            flow.delete(find(&flow, &name).await?).await?;
+            println!("deleted {name}");
+        }
+        ScheduleCommand::Runs { name, limit } => {
+            let id = match name {
+                Some(n) => Some(find(&flow, &n).await?),
+                None => None,
+            };
+            print_runs(&flow.runs(id, limit).await?);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 async fn open(url: &str, generation: i64) -> Result<Bulk, AnyError> {
     let db = Db::connect(url).await?;
     Ok(Bulk::open(db, generation, BulkOptions::default()).await?)
@@ -203,10 +389,16 @@ async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError>
         Command::Status { admin_addr } => supervise::print_status(&admin_addr).await,
         Command::Migrate => {
             let bulk = open(&url, 1).await?;
-            println!("migrated {} ({})", bulk.db().url(), bulk.db().dialect());
+            Flow::open(bulk.db().clone(), 1, FlowOptions::default()).await?;
+            println!(
+                "migrated bulk and flow on {} ({})",
+                bulk.db().url(),
+                bulk.db().dialect()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Bulk { command } => bulk_command(&url, command).await,
+        Command::Schedule { command } => schedule_command(&url, command).await,
         Command::Run { .. } => supervise::run(settings).await,
         Command::Demo { jobs, rows } => demo(&url, jobs, rows).await,
     }
@@ -374,9 +566,45 @@ fn read_jsonl(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
     Ok(rows)
 }
 
+/// The demo's schedules: names unique to this run, deleted at the end.
+fn demo_schedules(run_id: u128) -> Vec<NewSchedule> {
+    let mut every = NewSchedule::new(
+        format!("demo-{run_id}-every-1s"),
+        "sync-contacts",
+        Spec::Every(Duration::from_secs(1)),
+        MisfirePolicy::CatchUp { max: 100 },
+    );
+    every.start_at = Some(SystemTime::now() + Duration::from_millis(500));
+    let cron = NewSchedule::new(
+        format!("demo-{run_id}-cron-2s"),
+        "digest",
+        Spec::cron("*/2 * * * * *", "Europe/Berlin"),
+        MisfirePolicy::FireOnce,
+    );
+    // Started 5 s ago with catch-up: the first reservation backfills the missed occurrences.
+    let mut backfill = NewSchedule::new(
+        format!("demo-{run_id}-backfill"),
+        "rollup",
+        Spec::Every(Duration::from_secs(1)),
+        MisfirePolicy::CatchUp { max: 100 },
+    );
+    backfill.start_at = Some(SystemTime::now() - Duration::from_secs(5));
+    vec![every, cron, backfill]
+}
+
 async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError> {
     let bulk = open(url, 1).await?;
     bulk.take_ownership(&owner()).await?;
+    let flow = Flow::open(bulk.db().clone(), 1, FlowOptions::default()).await?;
+    flow.take_ownership(&owner()).await?;
+    let flow_ctl = Controller::new(
+        flow.source(),
+        Config::new("flow").capacity(NonZeroUsize::new(8).expect("8")),
+    )?;
+    let flow_handle = flow_ctl.handle();
+    flow.set_waker(flow_ctl.waker());
+    let flow_cancel = CancellationToken::new();
+    let flow_run = tokio::spawn(flow_ctl.run(flow_cancel.clone()));
     let config = Config::new("bulk").capacity(NonZeroUsize::new(4).expect("4"));
     let ctl = Controller::new(bulk.source(), config)?;
     let handle = ctl.handle();
@@ -392,6 +620,17 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
         bulk.db().dialect()
     );
     let run_id = stamp();
+    let mut schedules = Vec::new();
+    for new in demo_schedules(run_id) {
+        let what = format!("{} / {}", new.spec, new.policy);
+        let c = flow.create(new).await?;
+        println!(
+            "  created schedule {} ({what}, acknowledged after commit)",
+            c.id
+        );
+        schedules.push(c.id);
+    }
+    let schedules_created = Instant::now();
     let mut ids = Vec::new();
     for j in 0..jobs {
         let key = format!("demo-{run_id}-{j}");
@@ -440,6 +679,44 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
     println!("\n  done in {:.2?}", started.elapsed());
     cancel.cancel();
     let result = run.await?;
+    // Let the schedules fire a few times, then show their runs.
+    let watch = Duration::from_secs(5);
+    if let Some(rest) = watch.checked_sub(schedules_created.elapsed()) {
+        tokio::time::sleep(rest).await;
+    }
+    println!("\nScheduled Flow runs (one per schedule and occurrence, reserved transactionally):");
+    let mut runs = Vec::new();
+    for id in &schedules {
+        runs.extend(flow.runs(Some(*id), 100).await?);
+    }
+    runs.sort_by_key(|r| (r.occurrence_at, r.schedule));
+    print_runs(&runs);
+    println!();
+    print_schedule_header();
+    for id in &schedules {
+        if let Some(s) = flow.schedule(*id).await? {
+            print_schedule(&s);
+        }
+    }
+    flow_cancel.cancel();
+    let flow_result = flow_run.await?;
+    // The demo's every-second schedules would keep firing in a later `run`: remove them.
+    for id in &schedules {
+        flow.delete(*id).await?;
+    }
+    let fsnap = flow_handle.snapshot();
+    println!(
+        "\nController snapshot (flow): claims {}  reservations {}  timers armed {} fired {}  \
+         overdue suppressed {}",
+        fsnap.claim_calls,
+        fsnap.attempts_completed,
+        fsnap.timers_armed,
+        fsnap.timers_fired,
+        fsnap.overdue_suppressed
+    );
+    if let Err(e) = flow_result {
+        return Ok(exit_for(Err((e.is_poisoned(), e.to_string()))));
+    }
     let snap = handle.snapshot();
     println!("\nController snapshot (bulk):");
     println!(

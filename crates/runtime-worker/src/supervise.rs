@@ -5,7 +5,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nexuscrm_bulk::{Bulk, BulkConfig, BulkOptions, DECLARATION};
+use nexuscrm_bulk::{Bulk, BulkConfig, BulkOptions};
+use nexuscrm_flow::{Flow, FlowConfig, FlowOptions};
 use nexuscrm_persistence::Db;
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Config, Controller, Source};
@@ -53,9 +54,24 @@ async fn supervise<S: Source>(mut ctl: Controller<S>, cancel: CancellationToken)
     }
 }
 
+/// Runs `ctl` under [`supervise`]; a poisoned stop cancels the whole process's work.
+async fn supervise_all<S: Source>(ctl: Option<Controller<S>>, cancel: CancellationToken) -> Ended {
+    let Some(ctl) = ctl else {
+        return Ended::Clean;
+    };
+    let ended = supervise(ctl, cancel.clone()).await;
+    if matches!(ended, Ended::Poisoned(_)) {
+        // One poisoned family stops the process: drain the others, then exit 2.
+        cancel.cancel();
+    }
+    ended
+}
+
 pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
-    if !s.bulk.enabled {
-        return Err("no family is enabled (bulk.enabled = false): nothing to run".into());
+    if !s.bulk.enabled && !s.flow.enabled {
+        return Err(
+            "no family is enabled (bulk.enabled and flow.enabled are false): nothing to run".into(),
+        );
     }
     // First of all, so that a stop signal during start-up is a clean stop, not a kill.
     let cancel = CancellationToken::new();
@@ -67,8 +83,8 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         .default_max_attempts(s.bulk.max_attempts)
         .listen(s.bulk.listen)
         .generation_poll(Some(s.bulk.generation_poll));
-    // Test-only: NEXUSCRM_FAULT=<crash-point> arms the real fault hook (process-level fail-stop
-    // tests). Unset, the hook is the zero-cost unarmed default.
+    // Test-only: NEXUSCRM_FAULT=<crash-point> arms the real fault hook of the Bulk family
+    // (process-level fail-stop tests). Unset, the hook is the zero-cost unarmed default.
     let faults = match std::env::var("NEXUSCRM_FAULT") {
         Ok(point) if !point.is_empty() => {
             let point: CrashPoint = point.parse().map_err(|e| format!("NEXUSCRM_FAULT: {e}"))?;
@@ -79,36 +95,73 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         }
         _ => Faults::none(),
     };
+    // Both families migrate (so producers can use either); each runs only when enabled.
     let bulk = Bulk::open(
-        db,
+        db.clone(),
         s.generation,
         BulkOptions::default().config(cfg).faults(faults),
     )
     .await?;
-    let capacity =
-        std::num::NonZeroUsize::new(s.bulk.capacity).ok_or("bulk.capacity must be at least 1")?;
-    let ctl = Controller::new(
-        crate::stall::Stalling::from_env(bulk.source())?,
-        Config::new("bulk")
-            .capacity(capacity)
-            .reconcile_interval(s.bulk.reconcile_interval)
-            .reconcile_jitter(s.bulk.reconcile_interval / 10)
-            .shutdown_timeout(s.shutdown_timeout),
-    )?;
-    bulk.set_waker(ctl.waker());
-    let admin_state = admin::Admin {
-        families: Arc::new(vec![admin::Family {
-            declaration: DECLARATION,
+    let flow_cfg = FlowConfig::default()
+        .lease(s.flow.lease)
+        .misfire_grace(s.flow.misfire_grace)
+        .listen(s.flow.listen)
+        .generation_poll(Some(s.flow.generation_poll));
+    let flow = Flow::open(db, s.generation, FlowOptions::default().config(flow_cfg)).await?;
+    let mut families = Vec::new();
+    let bulk_ctl = if s.bulk.enabled {
+        let capacity = std::num::NonZeroUsize::new(s.bulk.capacity)
+            .ok_or("bulk.capacity must be at least 1")?;
+        let ctl = Controller::new(
+            crate::stall::Stalling::from_env(bulk.source())?,
+            Config::new("bulk")
+                .capacity(capacity)
+                .reconcile_interval(s.bulk.reconcile_interval)
+                .reconcile_jitter(s.bulk.reconcile_interval / 10)
+                .shutdown_timeout(s.shutdown_timeout),
+        )?;
+        bulk.set_waker(ctl.waker());
+        families.push(admin::Family {
+            declaration: nexuscrm_bulk::DECLARATION,
             handle: ctl.handle(),
-            bulk: bulk.clone(),
-        }]),
+            store: admin::Store::Bulk(bulk.clone()),
+        });
+        Some(ctl)
+    } else {
+        None
+    };
+    let flow_ctl = if s.flow.enabled {
+        let capacity = std::num::NonZeroUsize::new(s.flow.capacity)
+            .ok_or("flow.capacity must be at least 1")?;
+        let ctl = Controller::new(
+            flow.source(),
+            Config::new("flow")
+                .capacity(capacity)
+                .reconcile_interval(s.flow.reconcile_interval)
+                .reconcile_jitter(s.flow.reconcile_interval / 10)
+                .shutdown_timeout(s.shutdown_timeout),
+        )?;
+        flow.set_waker(ctl.waker());
+        families.push(admin::Family {
+            declaration: nexuscrm_flow::DECLARATION,
+            handle: ctl.handle(),
+            store: admin::Store::Flow(flow.clone()),
+        });
+        Some(ctl)
+    } else {
+        None
+    };
+    let names: Vec<&str> = families.iter().map(|f| f.declaration.family()).collect();
+    let admin_state = admin::Admin {
+        families: Arc::new(families.clone()),
     };
     let listener = tokio::net::TcpListener::bind(s.admin_addr)
         .await
         .map_err(|e| format!("cannot serve admin HTTP on {}: {e}", s.admin_addr))?;
     let addr = listener.local_addr()?;
     tracing::info!(
-        "admin listening on {addr}; running bulk on {} (generation {})",
+        "admin listening on {addr}; running {} on {} (generation {})",
+        names.join(" and "),
         bulk.db().url(),
         s.generation
     );
@@ -120,28 +173,45 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
             .await
     });
     // Admin HTTP is up before ownership and the startup reconciliation: /livez answers during a
-    // slow start and /readyz says "not ready" until the controller reports Ready.
-    if let Err(e) = bulk.take_ownership(&owner()).await {
+    // slow start and /readyz says "not ready" until every controller reports Ready.
+    let owned = async {
+        if bulk_ctl.is_some() {
+            bulk.take_ownership(&owner()).await?;
+        }
+        if flow_ctl.is_some() {
+            flow.take_ownership(&owner()).await?;
+        }
+        Ok::<_, AnyError>(())
+    };
+    if let Err(e) = owned.await {
         admin_stop.cancel();
         let _ = server.await;
-        return Err(e.into());
+        return Err(e);
     }
-    let ended = supervise(ctl, cancel.clone()).await;
+    let (bulk_ended, flow_ended) = tokio::join!(
+        supervise_all(bulk_ctl, cancel.clone()),
+        supervise_all(flow_ctl, cancel.clone()),
+    );
     cancel.cancel();
     signals.abort();
     admin_stop.cancel();
     let _ = server.await;
-    Ok(match ended {
-        Ended::Clean => {
-            tracing::info!("drained cleanly");
-            ExitCode::SUCCESS
-        }
-        Ended::Poisoned(reason) => {
-            tracing::error!(
-                "exiting: a poisoned controller must be replaced with the process: {reason}"
-            );
-            ExitCode::from(2)
-        }
+    let poisoned: Vec<String> = [bulk_ended, flow_ended]
+        .into_iter()
+        .filter_map(|e| match e {
+            Ended::Poisoned(reason) => Some(reason),
+            Ended::Clean => None,
+        })
+        .collect();
+    Ok(if poisoned.is_empty() {
+        tracing::info!("drained cleanly");
+        ExitCode::SUCCESS
+    } else {
+        tracing::error!(
+            "exiting: a poisoned controller must be replaced with the process: {}",
+            poisoned.join("; ")
+        );
+        ExitCode::from(2)
     })
 }
 
