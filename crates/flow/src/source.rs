@@ -524,6 +524,11 @@ impl Attempt for FlowAttempt {
                 Ok(Reserved::Progress { complete }) => {
                     faults.hit(CrashPoint::AfterEffect).map_err(crash)?;
                     if complete {
+                        // The cursor moved: the controller re-reads next_work_at (no claim),
+                        // so it sleeps exactly until this schedule's next occurrence.
+                        if let Some(w) = self.flow.inner.waker.get() {
+                            w.retime();
+                        }
                         faults.hit(CrashPoint::AfterDisposition).map_err(crash)?;
                         return Ok(());
                     }

@@ -374,19 +374,19 @@ async fn an_idle_worker_claims_only_at_due_times_and_never_between_them() {
         else {
             continue;
         };
-        // Two schedules, every 2 s, due at the next whole second + 1 s and + 2 s.
+        // One schedule, every second from the next whole second + 1 s: after each
+        // reservation the controller must re-arm for the next occurrence by itself.
         let start = next_second(SystemTime::now()) + Duration::from_secs(1);
-        for (i, offset) in [0u64, 1].into_iter().enumerate() {
-            let mut s = NewSchedule::new(format!("s{i}"), "f", every(2), MisfirePolicy::Skip);
-            s.start_at = Some(start + Duration::from_secs(offset));
-            flow.create(s).await.unwrap();
-        }
+        let mut s = NewSchedule::new("s", "f", every(1), MisfirePolicy::Skip);
+        s.start_at = Some(start);
+        flow.create(s).await.unwrap();
         let claims = Arc::new(Mutex::new(Vec::new()));
         let source = Recorded {
             inner: flow.source(),
             claims: claims.clone(),
         };
         let ctl = nexuscrm_worker::Controller::new(source, controller_config("idle", 4)).unwrap();
+        flow.set_waker(ctl.waker());
         let cancel = CancellationToken::new();
         let run = tokio::spawn(ctl.run(cancel.clone()));
         tokio::time::sleep(

@@ -211,6 +211,12 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
         "bulk=durable-critical/transactional"
     );
     assert_eq!(v["families"][0]["controller"]["ready"], true);
+    assert_eq!(
+        v["families"][1]["declaration"],
+        "flow=durable-critical/transactional"
+    );
+    assert_eq!(v["families"][1]["controller"]["ready"], true);
+    assert_eq!(v["families"][1]["observations"]["runs"], 0);
     let (code, metrics) = get(w.port, "/metrics").unwrap();
     assert_eq!(code, 200);
     let mut samples = 0;
@@ -228,7 +234,9 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
             "bad name in {line:?}"
         );
         assert!(
-            name_labels.ends_with('}') && name_labels.contains("family=\"bulk\""),
+            name_labels.ends_with('}')
+                && (name_labels.contains("family=\"bulk\"")
+                    || name_labels.contains("family=\"flow\"")),
             "{line:?}"
         );
         samples += 1;
@@ -520,5 +528,132 @@ async fn sigterm_as_soon_as_the_admin_server_is_up_is_a_clean_stop() {
         let mut w = start(&t.url, &[]);
         stop_clean(&mut w);
     }
+    t.drop_database().await;
+}
+
+fn cli(url: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(BIN)
+        .args(["--database-url", url])
+        .args(args)
+        .env_remove("NEXUSCRM_DATABASE_URL")
+        .output()
+        .expect("run the CLI");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn runs_of(db: &Db, name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM flow_run r JOIN flow_schedule s ON s.id = r.schedule_id \
+         WHERE s.name = $1",
+    )
+    .bind(name.to_owned())
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schedule_commands_drive_a_running_worker_across_processes() {
+    let Some(t) = TestDb::create(Dialect::Postgres, "schedcli").await else {
+        return;
+    };
+    // Bad input is refused with the reason, before anything is stored.
+    let (ok, _, err) = cli(
+        &t.url,
+        &[
+            "schedule",
+            "create",
+            "x",
+            "--flow",
+            "f",
+            "--cron",
+            "0 61 * * * *",
+        ],
+    );
+    assert!(!ok && err.contains("invalid cron expression"), "{err}");
+    let (ok, _, err) = cli(
+        &t.url,
+        &[
+            "schedule", "create", "x", "--flow", "f", "--every", "1s", "--policy", "often",
+        ],
+    );
+    assert!(!ok && err.contains("unknown misfire policy"), "{err}");
+    let (ok, _, err) = cli(
+        &t.url,
+        &[
+            "schedule",
+            "create",
+            "x",
+            "--flow",
+            "f",
+            "--cron",
+            "0 0 * * * *",
+            "--zone",
+            "Nowhere/Land",
+        ],
+    );
+    assert!(!ok && err.contains("unknown time zone"), "{err}");
+    let (ok, list, _) = cli(&t.url, &["schedule", "list"]);
+    assert!(ok && !list.contains(" x "), "{list}");
+
+    let mut w = start(&t.url, &[]);
+    // Another process creates the schedule; the worker hears of it through LISTEN/NOTIFY.
+    let (ok, id, err) = cli(
+        &t.url,
+        &[
+            "schedule", "create", "tick", "--flow", "sync", "--every", "1s", "--policy", "catch-up",
+        ],
+    );
+    assert!(ok, "{err}");
+    assert!(id.trim().parse::<i64>().is_ok(), "{id}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while runs_of(&t.db, "tick").await < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "no runs: {}",
+            w.log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (ok, out, err) = cli(&t.url, &["schedule", "pause", "tick"]);
+    assert!(ok && out.contains("paused"), "{out}{err}");
+    let paused_at = runs_of(&t.db, "tick").await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        runs_of(&t.db, "tick").await,
+        paused_at,
+        "a paused schedule does not run"
+    );
+    let (ok, out, _) = cli(&t.url, &["schedule", "resume", "tick"]);
+    assert!(ok && out.contains("active"), "{out}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while runs_of(&t.db, "tick").await < paused_at + 2 {
+        assert!(Instant::now() < deadline, "no runs after resume");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (ok, runs, _) = cli(&t.url, &["schedule", "runs", "tick", "--limit", "3"]);
+    assert!(ok && runs.lines().count() == 4, "{runs}");
+    let (ok, list, _) = cli(&t.url, &["schedule", "list"]);
+    assert!(
+        ok && list.contains("tick") && list.contains("every 1s"),
+        "{list}"
+    );
+    let (ok, _, _) = cli(&t.url, &["schedule", "delete", "tick"]);
+    assert!(ok);
+    let (ok, _, err) = cli(&t.url, &["schedule", "pause", "tick"]);
+    assert!(!ok && err.contains("no schedule named"), "{err}");
+    stop_clean(&mut w);
+    // Exactly one run per occurrence.
+    let dup: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) - COUNT(DISTINCT (schedule_id, occurrence_at)) FROM flow_run",
+    )
+    .fetch_one(t.db.pool())
+    .await
+    .unwrap();
+    assert_eq!(dup, 0);
     t.drop_database().await;
 }

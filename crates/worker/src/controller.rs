@@ -36,6 +36,7 @@ struct Shared {
     counters: Counters,
     signal: Notify,
     wake_pending: AtomicBool,
+    retime_pending: AtomicBool,
     reconcile_requested: AtomicBool,
     generation_changed: AtomicBool,
     generation_lost: AtomicBool,
@@ -101,6 +102,7 @@ impl<S: Source> Controller<S> {
             counters: Counters::default(),
             signal: Notify::new(),
             wake_pending: AtomicBool::new(false),
+            retime_pending: AtomicBool::new(false),
             reconcile_requested: AtomicBool::new(false),
             generation_changed: AtomicBool::new(false),
             generation_lost: AtomicBool::new(false),
@@ -302,6 +304,16 @@ impl Waker {
         if self.shared.wake_pending.swap(true, Relaxed) {
             bump(&c.wakes_coalesced);
         } else {
+            self.shared.signal.notify_one();
+        }
+    }
+
+    /// Tells the controller that the next work time may have moved (an attempt just committed a
+    /// new due time, say): it re-reads [`Source::next_work_at`] and re-arms its timer, without
+    /// a claim. Coalesced; a pending claim turn satisfies it.
+    pub fn retime(&self) {
+        bump(&self.shared.counters.retimes_received);
+        if !self.shared.retime_pending.swap(true, Relaxed) {
             self.shared.signal.notify_one();
         }
     }
@@ -706,7 +718,13 @@ impl<S: Source> Run<S> {
             }
             let free = self.config.capacity.get() - self.attempts.len();
             if self.claim_pending && free > 0 {
+                // A claim turn ends with a `next_work_at` read, which satisfies any retime.
+                self.shared.retime_pending.store(false, Relaxed);
                 self.claim(NonZeroUsize::new(free).expect("free > 0")).await;
+                continue;
+            }
+            if self.shared.retime_pending.swap(false, Relaxed) {
+                self.next_work_at().await;
                 continue;
             }
             let timer = self.timer;

@@ -94,6 +94,8 @@ pub struct Snapshot {
     /// `next_work_at` answers due after the latest claim began (work that fell due during or
     /// after that claim): claimed again at once.
     pub due_during_claim: u64,
+    /// [`Waker::retime`](crate::Waker::retime) calls received.
+    pub retimes_received: u64,
     /// Generation probe calls (`generation` and `generation_changed`).
     pub generation_probes: u64,
     /// Changed generation cursors observed.
@@ -129,6 +131,7 @@ pub(crate) struct Counters {
     pub(crate) timers_fired: AtomicU64,
     pub(crate) overdue_suppressed: AtomicU64,
     pub(crate) due_during_claim: AtomicU64,
+    pub(crate) retimes_received: AtomicU64,
     pub(crate) generation_probes: AtomicU64,
     pub(crate) generation_changes: AtomicU64,
     pub(crate) generation_spurious: AtomicU64,
@@ -179,6 +182,7 @@ impl Counters {
             timers_fired: l(&self.timers_fired),
             overdue_suppressed: l(&self.overdue_suppressed),
             due_during_claim: l(&self.due_during_claim),
+            retimes_received: l(&self.retimes_received),
             generation_probes: l(&self.generation_probes),
             generation_changes: l(&self.generation_changes),
             generation_spurious: l(&self.generation_spurious),

@@ -310,6 +310,30 @@ async fn a_newer_earlier_due_time_replaces_the_older_timer() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_retime_rereads_next_work_at_and_rearms_without_a_claim() {
+    let src = ScriptedSource::new();
+    src.push_next_work_at(Step::ok(Due::Never));
+    src.push_next_work_at(Step::ok(Due::In(10 * SEC)));
+    let r = start(&src);
+    sleep(SEC).await;
+    settle().await;
+    assert_calls!(src, reconcile = 1, claim = 1, next_work_at = 1);
+    // An attempt committed a new due time: two retimes coalesce into one read, no claim.
+    r.handle.waker().retime();
+    r.handle.waker().retime();
+    settle().await;
+    assert_calls!(src, reconcile = 1, claim = 1, next_work_at = 2);
+    sleep(10 * SEC).await;
+    settle().await;
+    assert_calls!(src, reconcile = 1, claim = 2, next_work_at = 3);
+    assert_eq!(src.times(Op::Claim), vec![Duration::ZERO, 11 * SEC]);
+    let snap = r.handle.snapshot();
+    assert_eq!((snap.retimes_received, snap.timers_fired), (2, 1));
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
 async fn work_that_fell_due_during_the_claim_is_claimed_at_once_but_only_once() {
     let src = ScriptedSource::new();
     // The first claim takes 2 s; the answer after it is due 1 s ago, i.e. 1 s after that

@@ -61,20 +61,18 @@ pub fn controller_config(name: &str, capacity: usize) -> Config {
 /// on a proven rollback it could not resolve (as the Runtime Worker does). Any other stop is a
 /// test failure.
 pub async fn worker(flow: Flow, config: Config, cancel: CancellationToken) -> u64 {
-    let mut claimed = 0;
+    let mut ctl = Controller::new(flow.source(), config).expect("config");
+    flow.set_waker(ctl.waker());
     loop {
-        let ctl = Controller::new(flow.source(), config.clone()).expect("config");
-        flow.set_waker(ctl.waker());
         match ctl.run(cancel.clone()).await {
-            Ok(ctl) => return claimed + ctl.handle().snapshot().attempts_claimed,
+            Ok(ctl) => return ctl.handle().snapshot().attempts_claimed,
             Err(e) => {
                 assert_eq!(e.kind(), RunErrorKind::NotCommitted, "{e}");
-                claimed += e
+                ctl = e
                     .into_controller()
-                    .map(|c| c.handle().snapshot().attempts_claimed)
-                    .unwrap_or(0);
+                    .expect("a not-committed stop hands the controller back");
                 if cancel.is_cancelled() {
-                    return claimed;
+                    return ctl.handle().snapshot().attempts_claimed;
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
