@@ -31,6 +31,17 @@ pub use store::{
     MAX_SEGMENT_SIZE, MIGRATIONS, NewJob, Observations, RowInput, Submitted,
 };
 
+/// The text of one of the family's named statements for `dialect` (from
+/// `sql/<dialect>/queries.sql`), for tools that explain or measure it.
+///
+/// # Panics
+///
+/// If `name` is not a statement of the family.
+#[must_use]
+pub fn statement(dialect: nexuscrm_persistence::Dialect, name: &str) -> &'static str {
+    store::queries(dialect).get(name)
+}
+
 /// The family name used for ownership and migrations.
 pub const FAMILY: &str = "bulk";
 

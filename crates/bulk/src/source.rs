@@ -3,9 +3,10 @@
 use std::num::NonZeroUsize;
 use std::time::{Duration, SystemTime};
 
+use nexuscrm_persistence::sqlx::AnyConnection;
 use nexuscrm_persistence::sqlx::postgres::PgListener;
 use nexuscrm_persistence::sqlx::{self, Row};
-use nexuscrm_persistence::{Dialect, WriteError};
+use nexuscrm_persistence::{Dialect, Queries, WriteError};
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
 use serde_json::{Map, Value};
@@ -21,6 +22,105 @@ use crate::store::{Bulk, CHANNEL, queries, row_problem};
 #[derive(Debug, Clone)]
 pub struct BulkSource {
     pub(crate) bulk: Bulk,
+}
+
+/// Rows per multi-row statement (within every dialect's bind limit).
+const ROWS_PER_STATEMENT: usize = 200;
+
+/// `(p1, p2, ...), (...)` for `rows` tuples; `None` is a bind placeholder, `Some` a literal.
+fn tuples(dialect: Dialect, rows: usize, pattern: &[Option<&str>]) -> String {
+    let mut out = String::with_capacity(rows * pattern.len() * 5);
+    let mut n = 0;
+    for r in 0..rows {
+        out.push_str(if r == 0 { " (" } else { ", (" });
+        for (i, p) in pattern.iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            match p {
+                Some(lit) => out.push_str(lit),
+                None if dialect == Dialect::Postgres => {
+                    n += 1;
+                    out.push('$');
+                    out.push_str(&n.to_string());
+                }
+                None => out.push('?'),
+            }
+        }
+        out.push(')');
+    }
+    out
+}
+
+/// Applies a segment's valid rows: per group of distinct keys, one multi-row upsert (bumping
+/// each record's revision) and one multi-row change-log insert. Returns the rows applied.
+async fn apply_rows(
+    c: &mut AnyConnection,
+    dialect: Dialect,
+    q: &Queries,
+    job: i64,
+    rows: &[(i64, String, String)],
+    now: i64,
+) -> Result<i64, sqlx::Error> {
+    let mut start = 0;
+    while start < rows.len() {
+        // A key may appear once per statement: a repeat starts the next group.
+        let mut keys = std::collections::HashSet::new();
+        let mut end = start;
+        while end < rows.len() && end - start < ROWS_PER_STATEMENT && keys.insert(&rows[end].1) {
+            end += 1;
+        }
+        let group = &rows[start..end];
+        let sql = format!(
+            "{}{} {}",
+            q.get("record_upsert_prefix"),
+            tuples(dialect, group.len(), &[None, Some("1"), None, None]),
+            q.get("record_upsert_suffix")
+        );
+        let mut upsert = sqlx::query(&sql);
+        for (_, key, fields) in group {
+            upsert = upsert.bind(key.as_str()).bind(fields.as_str()).bind(now);
+        }
+        let returned = if dialect == Dialect::Mysql {
+            upsert.execute(&mut *c).await?;
+            let sql = format!(
+                "{} ({})",
+                q.get("record_revisions_prefix"),
+                vec!["?"; group.len()].join(", ")
+            );
+            let mut read = sqlx::query(&sql);
+            for (_, key, _) in group {
+                read = read.bind(key.as_str());
+            }
+            read.fetch_all(&mut *c).await?
+        } else {
+            upsert.fetch_all(&mut *c).await?
+        };
+        let mut revision = std::collections::HashMap::with_capacity(group.len());
+        for r in &returned {
+            revision.insert(text(r, 0)?, r.try_get::<i64, _>(1)?);
+        }
+        let sql = format!(
+            "{}{}",
+            q.get("change_insert_prefix"),
+            tuples(dialect, group.len(), &[None, None, None, None, None])
+        );
+        let mut changes = sqlx::query(&sql);
+        for (ordinal, key, _) in group {
+            let rev = *revision.get(key).ok_or_else(|| {
+                sqlx::Error::Protocol(format!("the upsert returned no revision for record {key}"))
+            })?;
+            changes = changes
+                .bind(job)
+                .bind(*ordinal)
+                .bind(key.as_str())
+                .bind(rev)
+                .bind(now);
+        }
+        changes.execute(&mut *c).await?;
+        start = end;
+    }
+    Ok(rows.len() as i64)
 }
 
 fn source_error(e: WriteError) -> SourceError {
@@ -427,6 +527,7 @@ impl BulkAttempt {
                         .fetch_all(&mut *c)
                         .await?;
                     let mut next = cursor;
+                    let mut valid: Vec<(i64, String, String)> = Vec::with_capacity(rows.len());
                     for row in &rows {
                         let ordinal: i64 = row.try_get(0)?;
                         let key = text(row, 1)?;
@@ -442,32 +543,11 @@ impl BulkAttempt {
                                 .execute(&mut *c)
                                 .await?;
                             rejected += 1;
-                            continue;
-                        }
-                        let upsert = sqlx::query(q.get("record_upsert"))
-                            .bind(key.as_str())
-                            .bind(fields.as_str())
-                            .bind(now);
-                        let revision: i64 = if dialect == Dialect::Mysql {
-                            upsert.execute(&mut *c).await?;
-                            sqlx::query(q.get("record_revision"))
-                                .bind(key.as_str())
-                                .fetch_one(&mut *c)
-                                .await?
-                                .try_get(0)?
                         } else {
-                            upsert.fetch_one(&mut *c).await?.try_get(0)?
-                        };
-                        sqlx::query(q.get("change_insert"))
-                            .bind(id)
-                            .bind(ordinal)
-                            .bind(key.as_str())
-                            .bind(revision)
-                            .bind(now)
-                            .execute(&mut *c)
-                            .await?;
-                        applied += 1;
+                            valid.push((ordinal, key, fields));
+                        }
                     }
+                    applied += apply_rows(c, dialect, q, id, &valid, now).await?;
                     let done = next >= total || rows.is_empty();
                     // The renewed lease counts from the commit, not from the segment's start.
                     let lease_until = to_ms(clock.now()) + lease_ms;

@@ -35,6 +35,17 @@ pub use store::{
     NewSchedule, Observations, ScheduleId, ScheduleStatus, ScheduleUpdate,
 };
 
+/// The text of one of the family's named statements for `dialect` (from
+/// `sql/<dialect>/queries.sql`), for tools that explain or measure it.
+///
+/// # Panics
+///
+/// If `name` is not a statement of the family.
+#[must_use]
+pub fn statement(dialect: nexuscrm_persistence::Dialect, name: &str) -> &'static str {
+    store::queries(dialect).get(name)
+}
+
 /// The family name used for ownership and migrations.
 pub const FAMILY: &str = "flow";
 

@@ -97,16 +97,19 @@ impl Source for FlowSource {
         let dialect = inner.db.dialect();
         let q = queries(dialect);
         let token = new_token();
-        let now = inner.now_ms();
-        let lease_until = now + inner.cfg.lease.as_millis() as i64;
+        let lease_ms = inner.cfg.lease.as_millis() as i64;
         let limit = capacity.get() as i64;
         let claimed = retrying(&cancel, || {
             let (db, fence, claim_token) = (inner.db.clone(), inner.fence.clone(), token.clone());
+            let clock = inner.clock.clone();
             inner.db.write(&cancel, move |c| {
                 Box::pin(async move {
                     if !fence.holds(c, &db).await? {
                         return Ok(None); // Fenced out: claim nothing.
                     }
+                    // "Now" once the transaction holds its locks, not before it waited for them.
+                    let now = to_ms(clock.now());
+                    let lease_until = now + lease_ms;
                     let query = sqlx::query(q.get("claim"))
                         .bind(claim_token.as_str())
                         .bind(lease_until)
@@ -279,7 +282,7 @@ enum Reserved {
     /// The claim is no longer ours (lease lost, schedule updated, paused or deleted).
     Stale,
     /// Runs inserted and the cursor advanced; `complete` when nothing due is left.
-    Progress { complete: bool },
+    Progress { complete: bool, cursor: Option<i64> },
 }
 
 fn crash(e: nexuscrm_worker::fault::Crash) -> AttemptError {
@@ -299,7 +302,6 @@ impl FlowAttempt {
         let inner = &self.flow.inner;
         let (db, fence) = (inner.db.clone(), inner.fence.clone());
         let q = queries(db.dialect());
-        let now = inner.now_ms();
         let grace = inner.cfg.misfire_grace.as_millis() as i64;
         let chunk = inner.cfg.chunk;
         let lease_ms = inner.cfg.lease.as_millis() as i64;
@@ -312,6 +314,9 @@ impl FlowAttempt {
                     if !fence.holds(c, &db).await? {
                         return Ok(Reserved::Stale);
                     }
+                    // "Now" once the transaction holds its locks: a cursor computed from a
+                    // time read before a long lock wait could already be due at commit.
+                    let now = to_ms(clock.now());
                     let Some(row) = sqlx::query(q.get("reserve_read"))
                         .bind(id)
                         .bind(token.as_str())
@@ -382,6 +387,7 @@ impl FlowAttempt {
                     }
                     Ok(Reserved::Progress {
                         complete: p.complete,
+                        cursor: p.cursor,
                     })
                 })
             })
@@ -521,13 +527,17 @@ impl Attempt for FlowAttempt {
                     faults.hit(CrashPoint::LeaseExpiry).map_err(crash)?;
                     return Ok(());
                 }
-                Ok(Reserved::Progress { complete }) => {
+                Ok(Reserved::Progress { complete, cursor }) => {
                     faults.hit(CrashPoint::AfterEffect).map_err(crash)?;
                     if complete {
                         // The cursor moved: the controller re-reads next_work_at (no claim),
-                        // so it sleeps exactly until this schedule's next occurrence.
+                        // so it sleeps exactly until this schedule's next occurrence; if that
+                        // is already due (a commit slower than the interval), it claims.
                         if let Some(w) = self.flow.inner.waker.get() {
-                            w.retime();
+                            match cursor {
+                                Some(t) if t <= self.flow.inner.now_ms() => w.wake(),
+                                _ => w.retime(),
+                            }
                         }
                         faults.hit(CrashPoint::AfterDisposition).map_err(crash)?;
                         return Ok(());

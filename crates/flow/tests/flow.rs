@@ -500,6 +500,7 @@ async fn load(d: Dialect) {
     }
     let cancel = CancellationToken::new();
     let mut workers = Vec::new();
+    let handles = Arc::new(Mutex::new(Vec::new()));
     for w in 0..4 {
         let db = nexuscrm_persistence::Db::connect(&t.url).await.unwrap();
         let flow = nexuscrm_flow::Flow::without_migrations(
@@ -507,16 +508,49 @@ async fn load(d: Dialect) {
             1,
             FlowOptions::default().config(test_config()),
         );
-        workers.push(tokio::spawn(worker(
+        workers.push(tokio::spawn(worker_with(
             flow,
             controller_config(&format!("w{w}"), 64),
             cancel.clone(),
+            Some(handles.clone()),
         )));
     }
     let end = start + Duration::from_secs(secs);
     tokio::time::sleep(end.duration_since(SystemTime::now()).unwrap_or_default()).await;
-    // Every occurrence up to the end is reserved shortly after it is due.
-    wait_cursors_past(&t.db, ms(end), Duration::from_secs(30)).await;
+    // Every occurrence up to the end is reserved shortly after it is due (a worker that
+    // stopped surfaces its own failure here).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(i) = workers.iter().position(|w| w.is_finished()) {
+            let w = workers.remove(i);
+            panic!("{d}: worker {i} stopped early: {:?}", w.await);
+        }
+        let c = cursors(&t.db).await;
+        if c.values().all(|v| v.is_some_and(|v| v > ms(end))) {
+            break;
+        }
+        let min = c.values().flatten().min().copied().unwrap_or(0);
+        if tokio::time::Instant::now() >= deadline {
+            let snaps: Vec<_> = handles
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|h| h.snapshot())
+                .collect();
+            let states: Vec<(String, i64)> = nexuscrm_persistence::sqlx::query_as(
+                "SELECT state, COUNT(*) FROM flow_schedule GROUP BY state",
+            )
+            .fetch_all(t.db.pool())
+            .await
+            .unwrap_or_default();
+            panic!(
+                "{d}: cursors did not pass the end; the slowest is {} ms behind; \
+                 states {states:?}; workers {snaps:#?}",
+                ms(end) - min
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     cancel.cancel();
     let mut claimed = Vec::new();
     for w in workers {

@@ -41,13 +41,15 @@ SELECT cursor_ordinal, total_rows, segment_size, applied_rows, rejected_rows FRO
 WHERE id = ? AND claim_token = ? AND state = 'running' AND lease_expires_at > ? FOR UPDATE
 -- name: segment_rows
 SELECT ordinal, record_key, fields FROM bulk_input WHERE job_id = ? AND ordinal >= ? ORDER BY ordinal LIMIT ?
--- name: record_upsert
-INSERT INTO crm_record (record_key, revision, data, updated_at) VALUES (?, 1, ?, ?)
+-- A segment's rows in multi-row statements (keys distinct within one statement).
+-- name: record_upsert_prefix
+INSERT INTO crm_record (record_key, revision, data, updated_at) VALUES
+-- name: record_upsert_suffix
 ON DUPLICATE KEY UPDATE revision = revision + 1, data = VALUES(data), updated_at = VALUES(updated_at)
--- name: record_revision
-SELECT revision FROM crm_record WHERE record_key = ?
--- name: change_insert
-INSERT INTO crm_record_change (job_id, ordinal, record_key, revision, applied_at) VALUES (?, ?, ?, ?, ?)
+-- name: record_revisions_prefix
+SELECT record_key, revision FROM crm_record WHERE record_key IN
+-- name: change_insert_prefix
+INSERT INTO crm_record_change (job_id, ordinal, record_key, revision, applied_at) VALUES
 -- name: row_error_insert
 INSERT INTO bulk_row_error (job_id, ordinal, message) VALUES (?, ?, ?)
 -- name: segment_commit

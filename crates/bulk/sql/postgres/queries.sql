@@ -42,12 +42,14 @@ SELECT cursor_ordinal, total_rows, segment_size, applied_rows, rejected_rows FRO
 WHERE id = $1 AND claim_token = $2 AND state = 'running' AND lease_expires_at > $3 FOR UPDATE
 -- name: segment_rows
 SELECT ordinal, record_key, fields FROM bulk_input WHERE job_id = $1 AND ordinal >= $2 ORDER BY ordinal LIMIT $3
--- name: record_upsert
-INSERT INTO crm_record (record_key, revision, data, updated_at) VALUES ($1, 1, $2, $3)
+-- A segment's rows in multi-row statements (keys distinct within one statement).
+-- name: record_upsert_prefix
+INSERT INTO crm_record (record_key, revision, data, updated_at) VALUES
+-- name: record_upsert_suffix
 ON CONFLICT (record_key) DO UPDATE SET revision = crm_record.revision + 1, data = excluded.data, updated_at = excluded.updated_at
-RETURNING revision
--- name: change_insert
-INSERT INTO crm_record_change (job_id, ordinal, record_key, revision, applied_at) VALUES ($1, $2, $3, $4, $5)
+RETURNING record_key, revision
+-- name: change_insert_prefix
+INSERT INTO crm_record_change (job_id, ordinal, record_key, revision, applied_at) VALUES
 -- name: row_error_insert
 INSERT INTO bulk_row_error (job_id, ordinal, message) VALUES ($1, $2, $3)
 -- name: segment_commit

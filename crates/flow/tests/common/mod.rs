@@ -61,8 +61,21 @@ pub fn controller_config(name: &str, capacity: usize) -> Config {
 /// on a proven rollback it could not resolve (as the Runtime Worker does). Any other stop is a
 /// test failure.
 pub async fn worker(flow: Flow, config: Config, cancel: CancellationToken) -> u64 {
+    worker_with(flow, config, cancel, None).await
+}
+
+/// [`worker`], publishing the controller's handle (for diagnostics).
+pub async fn worker_with(
+    flow: Flow,
+    config: Config,
+    cancel: CancellationToken,
+    sink: Option<Arc<Mutex<Vec<nexuscrm_worker::ControllerHandle>>>>,
+) -> u64 {
     let mut ctl = Controller::new(flow.source(), config).expect("config");
     flow.set_waker(ctl.waker());
+    if let Some(sink) = sink {
+        sink.lock().unwrap().push(ctl.handle());
+    }
     loop {
         match ctl.run(cancel.clone()).await {
             Ok(ctl) => return ctl.handle().snapshot().attempts_claimed,

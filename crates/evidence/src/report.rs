@@ -1,0 +1,326 @@
+//! The report: Markdown for people, JSON (stable keys) for tools.
+
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+use crate::measure::{Digest, Env};
+use crate::scenarios::{self, Contend, DrainRun, Due, Explained, Idle};
+use crate::{AnyError, Plan};
+
+/// Everything one run measured.
+#[derive(Debug)]
+pub(crate) struct Report {
+    command: String,
+    cores: usize,
+    postgres: String,
+    plan: Plan,
+    pub(crate) idle: Option<Idle>,
+    pub(crate) drain: Vec<DrainRun>,
+    pub(crate) due: Option<Due>,
+    pub(crate) contend: Option<Contend>,
+    pub(crate) plans: Vec<Explained>,
+}
+
+fn f(x: f64) -> String {
+    if x.is_nan() {
+        "n/a".into()
+    } else if x.abs() >= 100.0 {
+        format!("{x:.0}")
+    } else if x.abs() >= 1.0 {
+        format!("{x:.2}")
+    } else {
+        format!("{x:.3}")
+    }
+}
+
+fn digest_table(out: &mut String, d: &[Digest]) {
+    if d.is_empty() {
+        out.push_str("_no statements_\n\n");
+        return;
+    }
+    out.push_str("| calls | rows | blocks hit | blocks read | mean ms | statement |\n|---:|---:|---:|---:|---:|---|\n");
+    for x in d {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | `{}` |",
+            x.calls,
+            x.rows,
+            x.blks_hit,
+            x.blks_read,
+            f(x.mean_ms),
+            x.query.replace('|', "\\|").replace('`', "'")
+        );
+    }
+    out.push('\n');
+}
+
+impl Report {
+    pub(crate) async fn new(command: String, env: &Env, plan: &Plan) -> Result<Report, AnyError> {
+        Ok(Report {
+            command,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            postgres: env.server_version.clone(),
+            plan: plan.clone(),
+            idle: None,
+            drain: Vec::new(),
+            due: None,
+            contend: None,
+            plans: Vec::new(),
+        })
+    }
+
+    fn drain_pick(&self, side: &str) -> Option<&DrainRun> {
+        self.drain
+            .iter()
+            .find(|d| d.side == side && d.replicas == 1 && d.workload.starts_with("bulk"))
+    }
+
+    /// The summary table.
+    pub(crate) fn summary(&self) -> String {
+        let mut out = String::new();
+        out.push_str("| side | idle statements/hour | drain items/s | statements/item | due lateness p50 ms | due lateness p99 ms |\n|---|---:|---:|---:|---:|---:|\n");
+        for side in ["controller", "baseline"] {
+            let idle = self.idle.as_ref().map(|i| {
+                if side == "controller" {
+                    i.controller.statements_per_hour
+                } else {
+                    i.baseline.statements_per_hour
+                }
+            });
+            let d = self.drain_pick(side);
+            let due = self.due.as_ref().map(|d| {
+                if side == "controller" {
+                    &d.controller
+                } else {
+                    &d.baseline
+                }
+            });
+            let _ = writeln!(
+                out,
+                "| {side} | {} | {} | {} | {} | {} |",
+                idle.map_or("-".into(), f),
+                d.map_or("-".into(), |d| f(d.items_per_s)),
+                d.map_or("-".into(), |d| f(d.statements_per_item)),
+                due.map_or("-".into(), |l| f(l.p50)),
+                due.map_or("-".into(), |l| f(l.p99)),
+            );
+        }
+        out
+    }
+
+    /// The whole report as Markdown.
+    pub(crate) fn markdown(&self) -> String {
+        let p = &self.plan;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# NexusCRM Runtime Worker: evidence report\n\nProduced by:\n\n```sh\n{}\n```\n",
+            self.command
+        );
+        let _ = writeln!(
+            out,
+            "Machine: {} cores; PostgreSQL {} (private cluster unless `--database-url` was given), \
+             `pg_stat_statements` reset before every phase and filtered to the side's own role \
+             (`ev_controller`, `ev_baseline`) in one database. Baseline: a loop that claims \
+             through the same `Source::claim` every {} ms and runs the same attempts \
+             (capacity 4 for Bulk, 8 for Flow, as the controllers). Utility statements \
+             (BEGIN, COMMIT) count as statements.\n",
+            self.cores,
+            self.postgres,
+            p.poll.as_millis()
+        );
+        out.push_str("## Summary\n\n");
+        out.push_str(&self.summary());
+        out.push_str(
+            "\nDrain columns: the Bulk workload with one replica; idle: both families running \
+             on empty tables; due: Scheduled Flow occurrences. Targets (goals for the code, \
+             measured here): controller idle statements/hour at most (3600 / backstop) x \
+             (statements per reconciliation), at least 100x fewer than the baseline; drain at \
+             least 1.5x the baseline with no more statements per item; due lateness p50 under \
+             2 ms and p99 under 5 ms.\n\n",
+        );
+        if let Some(i) = &self.idle {
+            let _ = writeln!(
+                out,
+                "## Idle\n\nWindow {:.1} s per side, after start-up. Controller: {} statements \
+                 ({} claims) in the window, {} per hour extrapolated; one reconciliation of both \
+                 controllers (requested after the window: reconcile, claim, next_work_at per \
+                 family) costs {} statements, so the backstop every {} s bounds it at {} per \
+                 hour (the LISTEN probe issues none). Baseline: {} \
+                 statements ({} claims), {} per hour. Ratio: {}.\n",
+                i.controller.window_secs,
+                i.controller.statements,
+                i.controller.claims,
+                f(i.controller.statements_per_hour),
+                i.controller_statements_per_reconciliation,
+                i.backstop_secs,
+                f(i.controller_bound_per_hour),
+                i.baseline.statements,
+                i.baseline.claims,
+                f(i.baseline.statements_per_hour),
+                if i.controller.statements_per_hour > 0.0 {
+                    format!(
+                        "{}x",
+                        f(i.baseline.statements_per_hour / i.controller.statements_per_hour)
+                    )
+                } else {
+                    format!(
+                        "controller 0 in the window; baseline / bound = {}x",
+                        f(i.baseline.statements_per_hour / i.controller_bound_per_hour.max(1.0))
+                    )
+                }
+            );
+            out.push_str("### Controller digests (idle window)\n\n");
+            digest_table(&mut out, &i.controller.digests);
+            out.push_str("### Baseline digests (idle window)\n\n");
+            digest_table(&mut out, &i.baseline.digests);
+        }
+        if !self.drain.is_empty() {
+            let _ = writeln!(
+                out,
+                "## Drain\n\nA baseline run stops after {} s; its rate is over what it finished. \
+                 Rows are those returned or affected (pg_stat_statements `rows`).\n",
+                p.baseline_cap.as_secs()
+            );
+            out.push_str("| workload | side | replicas | items done | seconds | items/s | statements/item | rows/item | blocks hit/item | blocks read/item | claims | empty claims |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+            for d in &self.drain {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    d.workload,
+                    d.side,
+                    d.replicas,
+                    d.items_done,
+                    d.items,
+                    f(d.secs),
+                    f(d.items_per_s),
+                    f(d.statements_per_item),
+                    f(d.rows_per_item),
+                    f(d.blks_hit_per_item),
+                    f(d.blks_read_per_item),
+                    d.claims,
+                    d.empty_claims
+                );
+            }
+            out.push('\n');
+            for side in ["controller", "baseline"] {
+                if let Some(d) = self.drain_pick(side) {
+                    let _ = writeln!(out, "### {side} digests ({}, 1 replica)\n", d.workload);
+                    digest_table(&mut out, &d.digests);
+                }
+            }
+        }
+        if let Some(d) = &self.due {
+            let _ = writeln!(
+                out,
+                "## Due\n\n{} Scheduled Flow occurrences 137 ms apart, created by another \
+                 handle while the worker is idle (the controller hears of them through \
+                 NOTIFY); lateness = `reserved_at - occurrence_at` of each `flow_run` (ms \
+                 resolution, includes the claim transaction).\n\n| side | n | min | p50 | p99 | max |\n|---|---:|---:|---:|---:|---:|",
+                p.due_items
+            );
+            for (side, l) in [("controller", &d.controller), ("baseline", &d.baseline)] {
+                let _ = writeln!(
+                    out,
+                    "| {side} | {} | {} | {} | {} | {} |",
+                    l.n,
+                    f(l.min),
+                    f(l.p50),
+                    f(l.p99),
+                    f(l.max)
+                );
+            }
+            out.push('\n');
+        }
+        if let Some(c) = &self.contend {
+            let _ = writeln!(
+                out,
+                "## Contend\n\n4 replicas, {} one-row jobs in one hot queue. Lock waits are \
+                 5 ms samples of the side's sessions waiting on a lock.\n\n| side | items done | \
+                 seconds | items/s | claims | empty claims | claim errors | lock-wait samples / \
+                 samples | statements/item |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+                p.tiny_jobs
+            );
+            for (side, s) in [("controller", &c.controller), ("baseline", &c.baseline)] {
+                let _ = writeln!(
+                    out,
+                    "| {side} | {}/{} | {} | {} | {} | {} | {} | {}/{} | {} |",
+                    s.items_done,
+                    s.items,
+                    f(s.secs),
+                    f(s.items_per_s),
+                    s.claims,
+                    s.empty_claims,
+                    s.claim_errors,
+                    s.lock_wait_samples,
+                    s.samples,
+                    f(s.statements_per_item)
+                );
+            }
+            out.push('\n');
+        }
+        if !self.plans.is_empty() {
+            out.push_str(
+                "## Plans\n\n`EXPLAIN (ANALYZE, BUFFERS)` of each family's claim and next-work \
+                 statements (the claim inside a rolled-back transaction), with 10 eligible rows \
+                 and the rest ineligible (finished jobs; schedules whose cursor is far ahead).\n\n\
+                 | family | statement | rows | sequential scan | buffers | execution ms |\n\
+                 |---|---|---:|---|---|---:|\n",
+            );
+            for e in &self.plans {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    e.family,
+                    e.statement,
+                    e.rows,
+                    if e.seq_scan { "yes" } else { "no" },
+                    e.buffers,
+                    f(e.execution_ms)
+                );
+            }
+            out.push('\n');
+            if let Some(n) = self.plans.iter().map(|e| e.rows).max() {
+                let _ = writeln!(out, "### Plans at {n} rows\n");
+                for e in self.plans.iter().filter(|e| e.rows == n) {
+                    let _ = writeln!(
+                        out,
+                        "{} `{}`:\n\n```\n{}\n```\n",
+                        e.family, e.statement, e.plan
+                    );
+                }
+            }
+        }
+        out.push_str(
+            "## Benchmarks\n\nProcess-local CPU and allocations per attempt are criterion \
+             benchmarks in their crates: `cargo bench -p nexuscrm-worker --bench controller` \
+             (see crates/worker/README.md).\n",
+        );
+        out
+    }
+
+    /// The report as JSON (stable keys under `summary`).
+    pub(crate) fn json(&self) -> Value {
+        let mut v = scenarios::keys(self.idle.as_ref(), &self.drain, self.due.as_ref());
+        v["machine"] = json!({"cores": self.cores, "postgres": self.postgres});
+        v["command"] = json!(self.command);
+        v["workload"] = json!({
+            "poll_ms": self.plan.poll.as_millis() as u64,
+            "idle_secs": self.plan.idle.as_secs_f64(),
+            "drain_rows": self.plan.drain_rows,
+            "tiny_jobs": self.plan.tiny_jobs,
+            "replicas": self.plan.replicas,
+            "due_items": self.plan.due_items,
+            "explain_rows": self.plan.explain_rows,
+        });
+        v["details"] = json!({
+            "idle": self.idle,
+            "drain_runs": self.drain,
+            "due": self.due,
+            "contend": self.contend,
+            "plans": self.plans,
+        });
+        v
+    }
+}
