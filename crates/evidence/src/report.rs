@@ -109,6 +109,86 @@ impl Report {
         out
     }
 
+    /// Each target, its measured value, and whether it is met.
+    fn targets(&self) -> Vec<(String, String, bool)> {
+        let mut t = Vec::new();
+        if let Some(i) = &self.idle {
+            t.push((
+                "controller idle statements/hour <= (3600 / backstop) x statements per reconciliation".into(),
+                format!(
+                    "{} measured, bound {}",
+                    f(i.controller.statements_per_hour),
+                    f(i.controller_bound_per_hour)
+                ),
+                i.controller.statements_per_hour <= i.controller_bound_per_hour,
+            ));
+            let worst = i
+                .controller
+                .statements_per_hour
+                .max(i.controller_bound_per_hour)
+                .max(1.0);
+            let ratio = i.baseline.statements_per_hour / worst;
+            t.push((
+                "at least 100x fewer idle statements than the baseline (against the bound, the worse case)".into(),
+                format!("{}x", f(ratio)),
+                ratio >= 100.0,
+            ));
+        }
+        if let (Some(c), Some(b)) = (self.drain_pick("controller"), self.drain_pick("baseline")) {
+            let r = c.items_per_s / b.items_per_s.max(f64::MIN_POSITIVE);
+            t.push((
+                "drain throughput at least 1.5x the baseline's".into(),
+                format!("{}x", f(r)),
+                r >= 1.5,
+            ));
+            t.push((
+                "drain statements per item no more than the baseline's".into(),
+                format!(
+                    "{} vs {} (the controller refills capacity as each attempt ends: {} claims \
+                     for {} items, the baseline {} for {})",
+                    f(c.statements_per_item),
+                    f(b.statements_per_item),
+                    c.claims,
+                    c.items_done,
+                    b.claims,
+                    b.items_done
+                ),
+                c.statements_per_item <= b.statements_per_item,
+            ));
+            t.push((
+                "well under 1 statement per Bulk row".into(),
+                f(c.statements_per_item),
+                c.statements_per_item < 0.5,
+            ));
+        }
+        if let Some(d) = &self.due {
+            t.push((
+                "due lateness p50 under 2 ms".into(),
+                format!("{} ms", f(d.controller.p50)),
+                d.controller.p50 < 2.0,
+            ));
+            t.push((
+                "due lateness p99 under 5 ms".into(),
+                format!("{} ms", f(d.controller.p99)),
+                d.controller.p99 < 5.0,
+            ));
+            t.push((
+                "Scheduled Flow reservation within 50 ms of the due time".into(),
+                format!("max {} ms", f(d.controller.max)),
+                d.controller.max <= 50.0,
+            ));
+        }
+        if !self.plans.is_empty() {
+            let seq = self.plans.iter().filter(|e| e.seq_scan).count();
+            t.push((
+                "claim and next-work plans on the eligibility index at every size (no sequential scan)".into(),
+                format!("{seq} of {} plans scan sequentially", self.plans.len()),
+                seq == 0,
+            ));
+        }
+        t
+    }
+
     /// The whole report as Markdown.
     pub(crate) fn markdown(&self) -> String {
         let p = &self.plan;
@@ -140,6 +220,15 @@ impl Report {
              least 1.5x the baseline with no more statements per item; due lateness p50 under \
              2 ms and p99 under 5 ms.\n\n",
         );
+        out.push_str("## Targets\n\n| target | measured | met |\n|---|---|---|\n");
+        for (target, measured, met) in self.targets() {
+            let _ = writeln!(
+                out,
+                "| {target} | {measured} | {} |",
+                if met { "yes" } else { "**no**" }
+            );
+        }
+        out.push('\n');
         if let Some(i) = &self.idle {
             let _ = writeln!(
                 out,
@@ -304,6 +393,11 @@ impl Report {
     pub(crate) fn json(&self) -> Value {
         let mut v = scenarios::keys(self.idle.as_ref(), &self.drain, self.due.as_ref());
         v["machine"] = json!({"cores": self.cores, "postgres": self.postgres});
+        v["targets"] = self
+            .targets()
+            .into_iter()
+            .map(|(target, measured, met)| json!({"target": target, "measured": measured, "met": met}))
+            .collect();
         v["command"] = json!(self.command);
         v["workload"] = json!({
             "poll_ms": self.plan.poll.as_millis() as u64,

@@ -471,7 +471,7 @@ pub(crate) async fn due(env: &Env, plan: &Plan) -> Result<Due, AnyError> {
         ready(&rs).await;
         // A producer in "another process": the controller hears of it through NOTIFY.
         let producer = Flow::without_migrations(env.db.clone(), 1, FlowOptions::default());
-        let t0 = SystemTime::now() + Duration::from_millis(1500);
+        let t0 = SystemTime::now() + Duration::from_secs(2);
         let spacing = Duration::from_millis(137);
         for i in 0..plan.due_items {
             let mut s = NewSchedule::new(
