@@ -4,9 +4,8 @@ use std::num::NonZeroUsize;
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::AnyConnection;
-use nexuscrm_persistence::sqlx::postgres::PgListener;
 use nexuscrm_persistence::sqlx::{self, Row};
-use nexuscrm_persistence::{Dialect, Queries, WriteError};
+use nexuscrm_persistence::{Dialect, ProbeError, Queries, WriteError};
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
 use serde_json::{Map, Value};
@@ -14,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use nexuscrm_persistence::support::{from_ms, new_token, retrying, text, to_ms};
 
-use crate::store::{Bulk, CHANNEL, queries, row_problem};
+use crate::store::{Bulk, queries, row_problem};
 
 /// The Bulk family's [`Source`]: claims due jobs (and jobs whose lease expired), answers
 /// `next_work_at` from two indexed reads, and releases jobs leased by older generations on
@@ -159,14 +158,21 @@ impl BulkSource {
         &self.bulk
     }
 
-    async fn max_id(&self) -> Result<Generation, SourceError> {
+    /// The polled generation cursor: `MAX(id)`, which grows when any process accepts a job.
+    async fn max_id(&self) -> Result<u64, sqlx::Error> {
         let q = queries(self.bulk.inner.db.dialect());
         let v: Option<i64> = sqlx::query(q.get("generation"))
             .fetch_one(self.bulk.inner.db.pool())
             .await
-            .and_then(|r| r.try_get(0))
-            .map_err(SourceError::new)?;
-        Ok(Generation(v.unwrap_or(0) as u64))
+            .and_then(|r| r.try_get(0))?;
+        Ok(v.unwrap_or(0) as u64)
+    }
+}
+
+fn probe_error(e: ProbeError) -> SourceError {
+    match e {
+        ProbeError::Cancelled => SourceError::not_committed("cancelled"),
+        other => SourceError::new(other),
     }
 }
 
@@ -314,27 +320,13 @@ impl Source for BulkSource {
         &self,
         cancel: CancellationToken,
     ) -> Result<Option<Generation>, SourceError> {
-        let inner = &self.bulk.inner;
-        if inner.listens() {
-            // LISTEN before reading the cursor, so no commit between the two is missed.
-            let mut guard = inner.listener.lock().await;
-            if guard.is_none() {
-                let mut l = tokio::select! {
-                    biased;
-                    () = cancel.cancelled() => return Err(SourceError::not_committed("cancelled")),
-                    l = PgListener::connect(inner.db.connect_url()) => l.map_err(SourceError::new)?,
-                };
-                l.listen(CHANNEL).await.map_err(SourceError::new)?;
-                *guard = Some(l);
-            }
-        } else if inner.cfg.generation_poll.is_none() {
-            return Ok(None);
-        }
-        tokio::select! {
-            biased;
-            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
-            g = self.max_id() => g.map(Some),
-        }
+        self.bulk
+            .inner
+            .probe
+            .start(&cancel, || self.max_id())
+            .await
+            .map(|g| g.map(Generation))
+            .map_err(probe_error)
     }
 
     async fn generation_changed(
@@ -342,50 +334,13 @@ impl Source for BulkSource {
         seen: Generation,
         cancel: CancellationToken,
     ) -> Result<Generation, SourceError> {
-        let inner = &self.bulk.inner;
-        if inner.listens() {
-            loop {
-                let mut guard = inner.listener.lock().await;
-                let Some(listener) = guard.as_mut() else {
-                    return Err(SourceError::new("not listening"));
-                };
-                let received = tokio::select! {
-                    biased;
-                    () = cancel.cancelled() => return Ok(seen),
-                    r = listener.try_recv() => r,
-                };
-                match received {
-                    Ok(Some(_)) => {
-                        drop(guard);
-                        let now = self.max_id().await?;
-                        if now != seen {
-                            return Ok(now);
-                        }
-                    }
-                    // The connection was lost: notifications may have been missed.
-                    Ok(None) => {
-                        *guard = None;
-                        return Err(SourceError::new("the LISTEN connection was lost"));
-                    }
-                    Err(e) => {
-                        *guard = None;
-                        return Err(SourceError::new(e));
-                    }
-                }
-            }
-        }
-        let every = inner.cfg.generation_poll.unwrap_or(Duration::from_secs(5));
-        loop {
-            tokio::select! {
-                biased;
-                () = cancel.cancelled() => return Ok(seen),
-                () = tokio::time::sleep(every) => {}
-            }
-            let now = self.max_id().await?;
-            if now != seen {
-                return Ok(now);
-            }
-        }
+        self.bulk
+            .inner
+            .probe
+            .changed(seen.0, &cancel, || self.max_id())
+            .await
+            .map(Generation)
+            .map_err(probe_error)
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
 use nexuscrm_persistence::support::{is_unique_violation, text, to_ms};
 use nexuscrm_persistence::{
-    Db, DbError, Dialect, DialectQueries, Fence, Migration, Queries, WriteError,
+    Db, DbError, Dialect, DialectQueries, Fence, GenerationProbe, Migration, Queries, WriteError,
 };
 use nexuscrm_worker::fault::{Crash, CrashPoint, Faults};
 use nexuscrm_worker::{Clock, SystemClock};
@@ -343,17 +343,11 @@ pub(crate) struct Inner {
     pub(crate) faults: Faults,
     pub(crate) fence: Fence,
     pub(crate) waker: OnceLock<nexuscrm_worker::Waker>,
-    pub(crate) listener: tokio::sync::Mutex<Option<sqlx::postgres::PgListener>>,
+    pub(crate) probe: GenerationProbe,
 }
 
 /// The PostgreSQL notification channel of the Bulk family.
 pub const CHANNEL: &str = "nexuscrm_bulk";
-
-impl Inner {
-    pub(crate) fn listens(&self) -> bool {
-        self.cfg.listen && self.db.dialect() == Dialect::Postgres
-    }
-}
 
 impl fmt::Debug for Bulk {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -421,15 +415,21 @@ impl Bulk {
     /// A handle over an already-migrated database.
     #[must_use]
     pub fn without_migrations(db: Db, generation: i64, options: BulkOptions) -> Bulk {
+        let probe = GenerationProbe::new(
+            &db,
+            CHANNEL,
+            options.config.listen,
+            options.config.generation_poll,
+        );
         Bulk {
             inner: Arc::new(Inner {
+                probe,
                 db,
                 cfg: options.config,
                 clock: options.clock,
                 faults: options.faults,
                 fence: Fence::new(FAMILY, generation),
                 waker: OnceLock::new(),
-                listener: tokio::sync::Mutex::new(None),
             }),
         }
     }
@@ -614,11 +614,9 @@ impl Bulk {
         if let Some(w) = inner.waker.get() {
             w.wake();
         }
-        if inner.listens() && submitted.created {
+        if submitted.created {
             // A lossy cross-process hint, after commit and outside any claim transaction.
-            let _ = sqlx::query("SELECT pg_notify('nexuscrm_bulk', '')")
-                .execute(inner.db.pool())
-                .await;
+            inner.probe.notify(&inner.db).await;
         }
         Ok(submitted)
     }

@@ -3,16 +3,15 @@
 use std::num::NonZeroUsize;
 use std::time::{Duration, SystemTime};
 
-use nexuscrm_persistence::sqlx::postgres::PgListener;
 use nexuscrm_persistence::sqlx::{self, Row};
 use nexuscrm_persistence::support::{from_ms, new_token, retrying, text, to_ms};
-use nexuscrm_persistence::{Dialect, WriteError};
+use nexuscrm_persistence::{Dialect, ProbeError, WriteError};
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
 use tokio_util::sync::CancellationToken;
 
 use crate::spec::{MisfirePolicy, Spec, plan, timing};
-use crate::store::{CHANNEL, Flow, queries};
+use crate::store::{Flow, queries};
 
 /// The Scheduled Flow family's [`Source`]: claims due schedules (and schedules whose lease
 /// expired) with a claim token; `next_work_at` is the earliest cursor of an enabled schedule or
@@ -38,17 +37,28 @@ impl FlowSource {
         &self.flow
     }
 
-    async fn probe(&self) -> Result<Generation, SourceError> {
-        let q = queries(self.flow.inner.db.dialect());
-        let row = sqlx::query(q.get("generation"))
-            .fetch_one(self.flow.inner.db.pool())
-            .await
-            .map_err(SourceError::new)?;
-        let id: Option<i64> = row.try_get(0).map_err(SourceError::new)?;
-        let defined: Option<i64> = row.try_get(1).map_err(SourceError::new)?;
-        // Both only grow: a new schedule raises MAX(id), an update or resume MAX(defined_at).
-        let (id, defined) = (id.unwrap_or(0) as u64, defined.unwrap_or(0) as u64);
-        Ok(Generation(defined.wrapping_mul(1_000_003).wrapping_add(id)))
+    async fn probe(&self) -> Result<u64, sqlx::Error> {
+        read_generation(&self.flow.inner.db).await
+    }
+}
+
+/// The polled generation cursor: both parts only grow (a new schedule raises `MAX(id)`, an
+/// update or resume `MAX(defined_at)`); two index reads.
+async fn read_generation(db: &nexuscrm_persistence::Db) -> Result<u64, sqlx::Error> {
+    let q = queries(db.dialect());
+    let row = sqlx::query(q.get("generation"))
+        .fetch_one(db.pool())
+        .await?;
+    let id: Option<i64> = row.try_get(0)?;
+    let defined: Option<i64> = row.try_get(1)?;
+    let (id, defined) = (id.unwrap_or(0) as u64, defined.unwrap_or(0) as u64);
+    Ok(defined.wrapping_mul(1_000_003).wrapping_add(id))
+}
+
+fn probe_error(e: ProbeError) -> SourceError {
+    match e {
+        ProbeError::Cancelled => SourceError::not_committed("cancelled"),
+        other => SourceError::new(other),
     }
 }
 
@@ -193,27 +203,13 @@ impl Source for FlowSource {
         &self,
         cancel: CancellationToken,
     ) -> Result<Option<Generation>, SourceError> {
-        let inner = &self.flow.inner;
-        if inner.listens() {
-            // LISTEN before reading the probe, so no commit between the two is missed.
-            let mut guard = inner.listener.lock().await;
-            if guard.is_none() {
-                let mut l = tokio::select! {
-                    biased;
-                    () = cancel.cancelled() => return Err(SourceError::not_committed("cancelled")),
-                    l = PgListener::connect(inner.db.connect_url()) => l.map_err(SourceError::new)?,
-                };
-                l.listen(CHANNEL).await.map_err(SourceError::new)?;
-                *guard = Some(l);
-            }
-        } else if inner.cfg.generation_poll.is_none() {
-            return Ok(None);
-        }
-        tokio::select! {
-            biased;
-            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
-            g = self.probe() => g.map(Some),
-        }
+        self.flow
+            .inner
+            .probe
+            .start(&cancel, || self.probe())
+            .await
+            .map(|g| g.map(Generation))
+            .map_err(probe_error)
     }
 
     async fn generation_changed(
@@ -221,50 +217,13 @@ impl Source for FlowSource {
         seen: Generation,
         cancel: CancellationToken,
     ) -> Result<Generation, SourceError> {
-        let inner = &self.flow.inner;
-        if inner.listens() {
-            loop {
-                let mut guard = inner.listener.lock().await;
-                let Some(listener) = guard.as_mut() else {
-                    return Err(SourceError::new("not listening"));
-                };
-                let received = tokio::select! {
-                    biased;
-                    () = cancel.cancelled() => return Ok(seen),
-                    r = listener.try_recv() => r,
-                };
-                match received {
-                    Ok(Some(_)) => {
-                        drop(guard);
-                        let now = self.probe().await?;
-                        if now != seen {
-                            return Ok(now);
-                        }
-                    }
-                    // The connection was lost: notifications may have been missed.
-                    Ok(None) => {
-                        *guard = None;
-                        return Err(SourceError::new("the LISTEN connection was lost"));
-                    }
-                    Err(e) => {
-                        *guard = None;
-                        return Err(SourceError::new(e));
-                    }
-                }
-            }
-        }
-        let every = inner.cfg.generation_poll.unwrap_or(Duration::from_secs(5));
-        loop {
-            tokio::select! {
-                biased;
-                () = cancel.cancelled() => return Ok(seen),
-                () = tokio::time::sleep(every) => {}
-            }
-            let now = self.probe().await?;
-            if now != seen {
-                return Ok(now);
-            }
-        }
+        self.flow
+            .inner
+            .probe
+            .changed(seen.0, &cancel, || self.probe())
+            .await
+            .map(Generation)
+            .map_err(probe_error)
     }
 }
 

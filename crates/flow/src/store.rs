@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 use nexuscrm_persistence::sqlx::{self, Row};
 use nexuscrm_persistence::support::{from_ms, is_unique_violation, retrying, text, to_ms};
 use nexuscrm_persistence::{
-    Db, DbError, Dialect, DialectQueries, Fence, Migration, Queries, WriteError,
+    Db, DbError, Dialect, DialectQueries, Fence, GenerationProbe, Migration, Queries, WriteError,
 };
 use nexuscrm_worker::fault::{Crash, CrashPoint, Faults};
 use nexuscrm_worker::{Clock, SystemClock};
@@ -356,14 +356,10 @@ pub(crate) struct Inner {
     pub(crate) faults: Faults,
     pub(crate) fence: Fence,
     pub(crate) waker: OnceLock<nexuscrm_worker::Waker>,
-    pub(crate) listener: tokio::sync::Mutex<Option<sqlx::postgres::PgListener>>,
+    pub(crate) probe: GenerationProbe,
 }
 
 impl Inner {
-    pub(crate) fn listens(&self) -> bool {
-        self.cfg.listen && self.db.dialect() == Dialect::Postgres
-    }
-
     pub(crate) fn now_ms(&self) -> i64 {
         to_ms(self.clock.now())
     }
@@ -520,15 +516,21 @@ impl Flow {
     /// A handle over an already-migrated database.
     #[must_use]
     pub fn without_migrations(db: Db, generation: i64, options: FlowOptions) -> Flow {
+        let probe = GenerationProbe::new(
+            &db,
+            CHANNEL,
+            options.config.listen,
+            options.config.generation_poll,
+        );
         Flow {
             inner: Arc::new(Inner {
+                probe,
                 db,
                 cfg: options.config,
                 clock: options.clock,
                 faults: options.faults,
                 fence: Fence::new(FAMILY, generation),
                 waker: OnceLock::new(),
-                listener: tokio::sync::Mutex::new(None),
             }),
         }
     }
@@ -575,12 +577,8 @@ impl Flow {
         if let Some(w) = self.inner.waker.get() {
             w.wake();
         }
-        if self.inner.listens() {
-            // A lossy cross-process hint, after commit and outside any claim transaction.
-            let _ = sqlx::query("SELECT pg_notify('nexuscrm_flow', '')")
-                .execute(self.inner.db.pool())
-                .await;
-        }
+        // A lossy cross-process hint, after commit and outside any claim transaction.
+        self.inner.probe.notify(&self.inner.db).await;
     }
 
     /// Creates a schedule in one transaction, acknowledged after commit, and wakes the

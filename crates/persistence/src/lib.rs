@@ -12,6 +12,8 @@
 //! - [`Db::take_ownership`] and [`Fence`]: which deployment generation may claim or commit a
 //!   family, checked inside the same transaction as every claim and commit.
 //!
+//! - [`GenerationProbe`]: the cross-process generation probe (LISTEN/NOTIFY on PostgreSQL,
+//!   a polled cursor read elsewhere).
 //! - [`support`]: epoch-millisecond times, text decoding, unique-violation and contention
 //!   detection, contention retries, claim tokens.
 //!
@@ -24,6 +26,7 @@ mod db;
 mod error;
 mod migrate;
 mod ownership;
+mod probe;
 mod queries;
 pub mod support;
 mod tx;
@@ -37,6 +40,7 @@ pub use db::{Db, DbOptions, Dialect, is_tidb_version};
 pub use error::{DbError, DbErrorKind};
 pub use migrate::Migration;
 pub use ownership::Fence;
+pub use probe::{GenerationProbe, ProbeError};
 pub use queries::{DialectQueries, Queries};
 pub use sqlx;
 pub use tx::{TxFuture, WriteError, WriteTx};
