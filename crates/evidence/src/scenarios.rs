@@ -141,9 +141,10 @@ async fn replica(
     let db = Db::connect(&env.url(side)).await?;
     let counts = Arc::new(ClaimCounts::default());
     let stop = stop.clone();
-    let (capacity, name) = match family {
-        Family::Bulk => (4, "bulk"),
-        Family::Flow => (8, "flow"),
+    // The Runtime Worker's defaults: Bulk refills batch for up to 20 ms while attempts run.
+    let (capacity, name, cooldown) = match family {
+        Family::Bulk => (4, "bulk", Duration::from_millis(20)),
+        Family::Flow => (8, "flow", Duration::ZERO),
     };
     macro_rules! start {
         ($source:expr, $set_waker:expr) => {{
@@ -155,7 +156,9 @@ async fn replica(
                 Side::Controller => {
                     let ctl = Controller::new(
                         source,
-                        Config::new(name).capacity(NonZeroUsize::new(capacity).expect("> 0")),
+                        Config::new(name)
+                            .capacity(NonZeroUsize::new(capacity).expect("> 0"))
+                            .claim_cooldown(cooldown),
                     )?;
                     ($set_waker)(ctl.waker());
                     let handle = ctl.handle();

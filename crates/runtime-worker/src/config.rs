@@ -38,6 +38,10 @@ pub(crate) struct RawFlow {
     pub(crate) generation_poll_secs: Option<u64>,
 }
 
+/// The default `bulk.claim_cooldown_ms`: refills of freed Bulk slots batch for up to 20 ms
+/// while other attempts run (one claim per batch instead of one per freed slot).
+pub(crate) const DEFAULT_BULK_CLAIM_COOLDOWN_MS: u64 = 20;
+
 /// The `[bulk]` table.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -50,6 +54,7 @@ pub(crate) struct RawBulk {
     pub(crate) max_attempts: Option<u32>,
     pub(crate) listen: Option<bool>,
     pub(crate) generation_poll_secs: Option<u64>,
+    pub(crate) claim_cooldown_ms: Option<u64>,
 }
 
 /// How logs are written.
@@ -94,6 +99,7 @@ pub(crate) struct BulkSettings {
     pub(crate) max_attempts: u32,
     pub(crate) listen: bool,
     pub(crate) generation_poll: Duration,
+    pub(crate) claim_cooldown: Duration,
 }
 
 pub(crate) fn bad(key: &str, why: impl std::fmt::Display) -> String {
@@ -133,7 +139,8 @@ impl RawConfig {
                 segment_size,
                 max_attempts,
                 listen,
-                generation_poll_secs
+                generation_poll_secs,
+                claim_cooldown_ms
             );
             self.bulk = Some(b);
         }
@@ -181,6 +188,7 @@ impl RawConfig {
             max_attempts: parse("NEXUSCRM_BULK_MAX_ATTEMPTS")?,
             listen: parse("NEXUSCRM_BULK_LISTEN")?,
             generation_poll_secs: parse("NEXUSCRM_BULK_GENERATION_POLL_SECS")?,
+            claim_cooldown_ms: parse("NEXUSCRM_BULK_CLAIM_COOLDOWN_MS")?,
         };
         let flow = RawFlow {
             enabled: parse("NEXUSCRM_FLOW_ENABLED")?,
@@ -286,6 +294,15 @@ impl RawConfig {
         if poll == 0 {
             return Err(bad("bulk.generation_poll_secs", "must be at least 1"));
         }
+        let cooldown = b
+            .claim_cooldown_ms
+            .unwrap_or(DEFAULT_BULK_CLAIM_COOLDOWN_MS);
+        if cooldown > 10_000 {
+            return Err(bad(
+                "bulk.claim_cooldown_ms",
+                format!("{cooldown} must be 0 to 10000"),
+            ));
+        }
         let f = self.flow.unwrap_or_default();
         let flow_capacity = f.capacity.unwrap_or(8);
         if flow_capacity == 0 || flow_capacity > 1024 {
@@ -344,6 +361,7 @@ impl RawConfig {
                 max_attempts,
                 listen: b.listen.unwrap_or(true),
                 generation_poll: Duration::from_secs(poll),
+                claim_cooldown: Duration::from_millis(cooldown),
             },
         })
     }
@@ -394,6 +412,20 @@ mod tests {
         assert_eq!(s.admin_addr.to_string(), DEFAULT_ADMIN_ADDR);
         assert!(s.flow.enabled, "Scheduled Flow is on by default");
         assert_eq!(s.flow.capacity, 8);
+    }
+
+    #[test]
+    fn the_bulk_claim_cooldown_is_bounded_and_defaults_to_20_ms() {
+        let raw: RawConfig = toml::from_str("[bulk]\nclaim_cooldown_ms = 20000").unwrap();
+        assert!(
+            raw.validate()
+                .unwrap_err()
+                .contains("`bulk.claim_cooldown_ms`")
+        );
+        let s = RawConfig::default().validate().unwrap();
+        assert_eq!(s.bulk.claim_cooldown, Duration::from_millis(20));
+        let raw: RawConfig = toml::from_str("[bulk]\nclaim_cooldown_ms = 0").unwrap();
+        assert_eq!(raw.validate().unwrap().bulk.claim_cooldown, Duration::ZERO);
     }
 
     #[test]

@@ -605,7 +605,11 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
     flow.set_waker(flow_ctl.waker());
     let flow_cancel = CancellationToken::new();
     let flow_run = tokio::spawn(flow_ctl.run(flow_cancel.clone()));
-    let config = Config::new("bulk").capacity(NonZeroUsize::new(4).expect("4"));
+    let config = Config::new("bulk")
+        .capacity(NonZeroUsize::new(4).expect("4"))
+        .claim_cooldown(Duration::from_millis(
+            config::DEFAULT_BULK_CLAIM_COOLDOWN_MS,
+        ));
     let ctl = Controller::new(bulk.source(), config)?;
     let handle = ctl.handle();
     bulk.set_waker(ctl.waker());

@@ -116,6 +116,7 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
             crate::stall::Stalling::from_env(bulk.source())?,
             Config::new("bulk")
                 .capacity(capacity)
+                .claim_cooldown(s.bulk.claim_cooldown)
                 .reconcile_interval(s.bulk.reconcile_interval)
                 .reconcile_jitter(s.bulk.reconcile_interval / 10)
                 .shutdown_timeout(s.shutdown_timeout),

@@ -25,6 +25,7 @@ pub struct Config {
     pub(crate) reconcile_jitter: Duration,
     pub(crate) shutdown_timeout: Duration,
     pub(crate) generation_retry: Duration,
+    pub(crate) claim_cooldown: Duration,
     pub(crate) clock: Arc<dyn Clock>,
 }
 
@@ -37,6 +38,7 @@ impl fmt::Debug for Config {
             .field("reconcile_jitter", &self.reconcile_jitter)
             .field("shutdown_timeout", &self.shutdown_timeout)
             .field("generation_retry", &self.generation_retry)
+            .field("claim_cooldown", &self.claim_cooldown)
             .field("clock", &self.clock)
             .finish()
     }
@@ -62,6 +64,7 @@ impl Config {
             reconcile_jitter: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(30),
             generation_retry: Duration::from_secs(1),
+            claim_cooldown: Duration::ZERO,
             clock: Arc::new(SystemClock),
         }
     }
@@ -112,6 +115,16 @@ impl Config {
     #[must_use]
     pub fn generation_retry(mut self, delay: Duration) -> Self {
         self.generation_retry = delay;
+        self
+    }
+
+    /// While attempts are in flight, a claim turn starts no sooner than this after the previous
+    /// one began, so slots freed meanwhile are refilled by one claim instead of one claim each.
+    /// By default zero (refill every freed slot at once). It never delays a claim when nothing
+    /// is in flight (a due timer, a wake or start-up on an idle controller). At most 10 s.
+    #[must_use]
+    pub fn claim_cooldown(mut self, cooldown: Duration) -> Self {
+        self.claim_cooldown = cooldown;
         self
     }
 
@@ -182,6 +195,12 @@ impl Config {
             return bad(
                 "shutdown_timeout",
                 format!("{:?} is longer than a year", self.shutdown_timeout),
+            );
+        }
+        if self.claim_cooldown > Duration::from_secs(10) {
+            return bad(
+                "claim_cooldown",
+                format!("{:?} is longer than 10 s", self.claim_cooldown),
             );
         }
         if self.generation_retry.is_zero() || self.generation_retry > MAX_DURATION {

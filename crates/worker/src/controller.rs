@@ -472,6 +472,8 @@ struct Run<S: Source> {
     /// When the latest claim began (the controller's clock): a due time after it fell due while
     /// or after that claim read the store, so claiming again is not an empty replay.
     claim_started: Option<SystemTime>,
+    /// When the latest claim began (tokio time), for the claim cooldown.
+    claim_began: Option<Instant>,
     backstop_due: bool,
     timer: Option<Instant>,
     next_backstop: Instant,
@@ -499,6 +501,7 @@ impl<S: Source> Run<S> {
             abandoned: 0,
             claim_pending: false,
             claim_started: None,
+            claim_began: None,
             backstop_due: false,
             timer: None,
             next_backstop: Instant::now(),
@@ -717,7 +720,17 @@ impl<S: Source> Run<S> {
                 }
             }
             let free = self.config.capacity.get() - self.attempts.len();
-            if self.claim_pending && free > 0 {
+            // While attempts run, a refill waits out the cooldown so freed slots batch up.
+            let cooling = match self.claim_began {
+                Some(began)
+                    if !self.attempts.is_empty() && !self.config.claim_cooldown.is_zero() =>
+                {
+                    let until = began + self.config.claim_cooldown;
+                    (Instant::now() < until).then_some(until)
+                }
+                _ => None,
+            };
+            if self.claim_pending && free > 0 && cooling.is_none() {
                 // A claim turn ends with a `next_work_at` read, which satisfies any retime.
                 self.shared.retime_pending.store(false, Relaxed);
                 self.claim(NonZeroUsize::new(free).expect("free > 0")).await;
@@ -729,9 +742,11 @@ impl<S: Source> Run<S> {
             }
             let timer = self.timer;
             let backstop = self.next_backstop;
+            let cooldown_end = cooling.filter(|_| self.claim_pending && free > 0);
             tokio::select! {
                 biased;
                 () = self.stop.cancelled() => return,
+                () = sleep_until(cooldown_end.unwrap_or_else(Instant::now)), if cooldown_end.is_some() => {}
                 Some(done) = self.attempts.join_next(), if !self.attempts.is_empty() => {
                     self.on_attempt_done(done);
                     // Collect every other finished attempt so the next claim asks for all the
@@ -793,6 +808,7 @@ impl<S: Source> Run<S> {
         }
         bump(&self.counters().claim_calls);
         self.claim_started = Some(self.config.clock.now());
+        self.claim_began = Some(Instant::now());
         let src = self.source.clone();
         let token = self.stop.clone();
         let result = self.op(async move { src.claim(free, token).await }).await;

@@ -156,6 +156,73 @@ async fn check_ready_error_ends_run_without_poison_and_a_second_run_works() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_claim_cooldown_batches_refills_while_attempts_run_but_never_delays_an_idle_claim() {
+    let src = ScriptedSource::new();
+    src.check_capacity(4);
+    // Endless work; attempts end 10, 20, 30 and 40 ms after their claim.
+    src.default_claim(|cap| {
+        ClaimPlan::more(
+            (0..cap)
+                .map(|i| AttemptPlan::ok(Duration::from_millis(10 * (i as u64 + 1))))
+                .collect(),
+        )
+    });
+    let r = start_with(
+        &src,
+        config(&src).claim_cooldown(Duration::from_millis(100)),
+    );
+    sleep(Duration::from_millis(1010)).await;
+    // Without the cooldown each freed slot would be refilled alone (claims for 1 slot every
+    // 10 ms); with it the controller waits while attempts run and refills all four slots when
+    // the last one ends (40 ms, inside the cooldown): nothing in flight means no waiting.
+    let caps = src.claim_capacities();
+    assert_eq!(caps, vec![4; 26], "{caps:?}");
+    let times = src.times(Op::Claim);
+    assert!(
+        times
+            .windows(2)
+            .all(|w| w[1] - w[0] == Duration::from_millis(40)),
+        "{times:?}"
+    );
+    assert_eq!(src.over_capacity(), 0);
+    assert!(r.stop().await.is_ok());
+
+    // A long attempt keeps the cooldown in force: the three short slots are refilled together
+    // 100 ms after the claim, not one by one.
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::more(vec![
+        AttemptPlan::ok(Duration::from_millis(10)),
+        AttemptPlan::ok(Duration::from_millis(20)),
+        AttemptPlan::ok(Duration::from_millis(30)),
+        AttemptPlan::ok(Duration::from_secs(10)),
+    ])));
+    src.push_claim(Step::ok(ClaimPlan::done(vec![])));
+    let r = start_with(
+        &src,
+        config(&src).claim_cooldown(Duration::from_millis(100)),
+    );
+    sleep(Duration::from_millis(500)).await;
+    assert_eq!(src.claim_capacities(), vec![4, 3]);
+    assert_eq!(
+        src.times(Op::Claim),
+        vec![Duration::ZERO, Duration::from_millis(100)]
+    );
+    assert!(r.stop().await.is_ok());
+
+    // Idle (nothing in flight): a due timer claims at once, even right after a claim.
+    let src = ScriptedSource::new();
+    src.push_next_work_at(Step::ok(Due::In(Duration::from_millis(5))));
+    let r = start_with(&src, config(&src).claim_cooldown(Duration::from_secs(1)));
+    sleep(Duration::from_millis(50)).await;
+    settle().await;
+    assert_eq!(
+        src.times(Op::Claim),
+        vec![Duration::ZERO, Duration::from_millis(5)]
+    );
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
 async fn claim_never_asks_for_more_than_free_capacity_nor_for_zero() {
     let src = ScriptedSource::new();
     src.check_capacity(4);
