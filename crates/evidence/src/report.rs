@@ -144,8 +144,7 @@ impl Report {
             t.push((
                 "drain statements per item no more than the baseline's".into(),
                 format!(
-                    "{} vs {} (the controller refills capacity as each attempt ends: {} claims \
-                     for {} items, the baseline {} for {})",
+                    "{} vs {} (claims: the controller {} for {} items, the baseline {} for {})",
                     f(c.statements_per_item),
                     f(b.statements_per_item),
                     c.claims,
