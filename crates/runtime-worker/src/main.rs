@@ -170,7 +170,8 @@ enum BulkCommand {
         /// A generated sample of N rows.
         #[arg(long, conflicts_with = "file")]
         sample: Option<usize>,
-        /// A JSON Lines file: one {"record_key": "...", "fields": {...}} per line.
+        /// A JSON Lines file (one {"record_key": "...", "fields": {...}} per line), or a .csv file
+        /// with a header row naming record_key and the field columns.
         #[arg(long)]
         file: Option<std::path::PathBuf>,
         /// Rows per segment.
@@ -491,7 +492,7 @@ async fn bulk_command(url: &str, command: BulkCommand) -> Result<ExitCode, AnyEr
             let key = key.unwrap_or_else(|| format!("cli-{}", stamp()));
             let rows = match (sample, file) {
                 (Some(n), None) => sample_rows(&key, n),
-                (None, Some(path)) => read_jsonl(&path)?,
+                (None, Some(path)) => read_rows(&path)?,
                 _ => return Err("give --sample N or --file PATH".into()),
             };
             let mut job = NewJob::new(key, rows);
@@ -532,6 +533,51 @@ async fn bulk_command(url: &str, command: BulkCommand) -> Result<ExitCode, AnyEr
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Rows from a `.csv` file (a header row naming `record_key` and the field columns; every
+/// other column becomes a string field, empty cells are left out) or JSON Lines otherwise.
+fn read_rows(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
+    let is_csv = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("csv"));
+    if !is_csv {
+        return read_jsonl(path);
+    }
+    let file =
+        std::fs::File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    parse_csv(file, &path.display().to_string())
+}
+
+fn parse_csv(input: impl std::io::Read, name: &str) -> Result<Vec<RowInput>, AnyError> {
+    let mut reader = csv::ReaderBuilder::new()
+        .trim(csv::Trim::All)
+        .from_reader(input);
+    let headers = reader
+        .headers()
+        .map_err(|e| format!("{name}: unreadable CSV header: {e}"))?
+        .clone();
+    let key_col = headers
+        .iter()
+        .position(|h| h == "record_key")
+        .ok_or_else(|| format!("{name}: the CSV header has no \"record_key\" column"))?;
+    let mut rows = Vec::new();
+    for (n, record) in reader.records().enumerate() {
+        // Line n + 2: the header is line 1.
+        let record = record.map_err(|e| format!("{name}:{}: {e}", n + 2))?;
+        let key = record.get(key_col).unwrap_or_default();
+        if key.is_empty() {
+            return Err(format!("{name}:{}: empty record_key", n + 2).into());
+        }
+        let mut fields = Map::new();
+        for (i, value) in record.iter().enumerate() {
+            if i != key_col && !value.is_empty() {
+                fields.insert(headers[i].to_owned(), Value::String(value.to_owned()));
+            }
+        }
+        rows.push(RowInput::new(key, fields));
+    }
+    Ok(rows)
 }
 
 fn read_jsonl(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
@@ -752,4 +798,30 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
             .map(drop)
             .map_err(|e| (e.is_poisoned(), e.to_string())),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_rows_map_the_header_to_fields_and_reject_bad_input() {
+        let csv = "record_key,name,email\nacct-1,Acme,ops@acme.test\n\"acct,2\",\"Quote, Inc\",\n";
+        let rows = parse_csv(csv.as_bytes(), "t.csv").unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].record_key, "acct-1");
+        assert_eq!(rows[0].fields["email"], "ops@acme.test");
+        assert_eq!(rows[1].record_key, "acct,2");
+        assert_eq!(rows[1].fields["name"], "Quote, Inc");
+        assert!(
+            !rows[1].fields.contains_key("email"),
+            "empty cells are left out"
+        );
+        let e = parse_csv("name\nx\n".as_bytes(), "t.csv").unwrap_err();
+        assert!(e.to_string().contains("no \"record_key\" column"), "{e}");
+        let e = parse_csv("record_key,name\n,x\n".as_bytes(), "t.csv").unwrap_err();
+        assert!(e.to_string().contains("t.csv:2: empty record_key"), "{e}");
+        let e = parse_csv("record_key,name\na,b,c\n".as_bytes(), "t.csv").unwrap_err();
+        assert!(e.to_string().starts_with("t.csv:2:"), "{e}");
+    }
 }
