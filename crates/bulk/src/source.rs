@@ -11,7 +11,7 @@ use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, Sou
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
-use nexuscrm_persistence::support::{from_ms, new_token, retrying, text, to_ms};
+use nexuscrm_persistence::support::{earliest, from_ms, new_token, retrying, text, to_ms};
 
 use crate::store::{Bulk, queries, row_problem};
 
@@ -295,20 +295,8 @@ impl Source for BulkSource {
     ) -> Result<Option<SystemTime>, SourceError> {
         let db = &self.bulk.inner.db;
         let q = queries(db.dialect());
-        let read = async {
-            let run_at: Option<i64> = sqlx::query(q.get("next_run_at"))
-                .fetch_one(db.pool())
-                .await?
-                .try_get(0)?;
-            let lease: Option<i64> = sqlx::query(q.get("next_lease_expiry"))
-                .fetch_one(db.pool())
-                .await?
-                .try_get(0)?;
-            Ok::<_, sqlx::Error>(match (run_at, lease) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            })
-        };
+        let statements = [q.get("next_run_at"), q.get("next_lease_expiry")];
+        let read = earliest(db, &statements);
         tokio::select! {
             biased;
             () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),

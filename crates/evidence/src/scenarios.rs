@@ -2,15 +2,14 @@
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant, SystemTime};
 
 use nexuscrm_bulk::{Bulk, BulkOptions, NewJob, RowInput};
 use nexuscrm_flow::{Flow, FlowOptions, MisfirePolicy, NewSchedule, Spec};
 use nexuscrm_persistence::{Db, Dialect};
-use nexuscrm_worker::{
-    Attempt, ClaimBatch, Config, Controller, ControllerHandle, Generation, Source, SourceError,
-};
+use nexuscrm_worker::{Attempt, Config, Controller, ControllerHandle, Source};
+use nexuscrm_worker_test::scenarios::{Counted, Counts};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 use sqlx::{Connection, PgConnection, Row};
@@ -19,74 +18,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::measure::{Digest, Env, Side, Totals, totals};
 use crate::{AnyError, Plan};
-
-/// Claim counters of one replica.
-#[derive(Debug, Default)]
-pub(crate) struct ClaimCounts {
-    claims: AtomicU64,
-    empty: AtomicU64,
-    errors: AtomicU64,
-}
-
-/// A source that counts its claims and the empty ones.
-#[derive(Debug, Clone)]
-struct Counting<S> {
-    inner: S,
-    counts: Arc<ClaimCounts>,
-}
-
-impl<S: Source> Source for Counting<S> {
-    type Attempt = S::Attempt;
-
-    async fn check_ready(&self, cancel: CancellationToken) -> Result<(), SourceError> {
-        self.inner.check_ready(cancel).await
-    }
-
-    async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
-        self.inner.reconcile(cancel).await
-    }
-
-    async fn claim(
-        &self,
-        capacity: NonZeroUsize,
-        cancel: CancellationToken,
-    ) -> Result<ClaimBatch<S::Attempt>, SourceError> {
-        self.counts.claims.fetch_add(1, Relaxed);
-        let r = self.inner.claim(capacity, cancel).await;
-        match &r {
-            Ok(b) if b.is_empty() => {
-                self.counts.empty.fetch_add(1, Relaxed);
-            }
-            Ok(_) => {}
-            Err(_) => {
-                self.counts.errors.fetch_add(1, Relaxed);
-            }
-        }
-        r
-    }
-
-    async fn next_work_at(
-        &self,
-        cancel: CancellationToken,
-    ) -> Result<Option<SystemTime>, SourceError> {
-        self.inner.next_work_at(cancel).await
-    }
-
-    async fn generation(
-        &self,
-        cancel: CancellationToken,
-    ) -> Result<Option<Generation>, SourceError> {
-        self.inner.generation(cancel).await
-    }
-
-    async fn generation_changed(
-        &self,
-        seen: Generation,
-        cancel: CancellationToken,
-    ) -> Result<Generation, SourceError> {
-        self.inner.generation_changed(seen, cancel).await
-    }
-}
 
 /// The polling baseline: every `every`, claim up to the free capacity through the same
 /// `Source::claim` and run the same attempts. Attempt completion does not trigger a claim;
@@ -121,7 +52,7 @@ async fn poll<S: Source>(src: S, capacity: usize, every: Duration, stop: Cancell
 struct Replica {
     task: tokio::task::JoinHandle<()>,
     handle: Option<ControllerHandle>,
-    counts: Arc<ClaimCounts>,
+    counts: Arc<Counts>,
     db: Db,
 }
 
@@ -139,7 +70,6 @@ async fn replica(
     stop: &CancellationToken,
 ) -> Result<Replica, AnyError> {
     let db = Db::connect(&env.url(side)).await?;
-    let counts = Arc::new(ClaimCounts::default());
     let stop = stop.clone();
     // The Runtime Worker's defaults: Bulk refills batch for up to 20 ms while attempts run.
     let (capacity, name, cooldown) = match family {
@@ -148,10 +78,8 @@ async fn replica(
     };
     macro_rules! start {
         ($source:expr, $set_waker:expr) => {{
-            let source = Counting {
-                inner: $source,
-                counts: counts.clone(),
-            };
+            let source = Counted::new($source);
+            let counts = source.counts();
             match side {
                 Side::Controller => {
                     let ctl = Controller::new(
@@ -165,16 +93,20 @@ async fn replica(
                     let task = tokio::spawn(async move {
                         let _ = ctl.run(stop).await;
                     });
-                    (task, Some(handle))
+                    (task, Some(handle), counts)
                 }
                 Side::Baseline => {
                     let every = plan.poll;
-                    (tokio::spawn(poll(source, capacity, every, stop)), None)
+                    (
+                        tokio::spawn(poll(source, capacity, every, stop)),
+                        None,
+                        counts,
+                    )
                 }
             }
         }};
     }
-    let (task, handle) = match family {
+    let (task, handle, counts) = match family {
         Family::Bulk => {
             let bulk = Bulk::without_migrations(db.clone(), 1, BulkOptions::default());
             let b = bulk.clone();
@@ -207,9 +139,9 @@ async fn stop_all(replicas: Vec<Replica>, stop: &CancellationToken) -> (u64, u64
     let mut c = (0, 0, 0);
     for r in replicas {
         let _ = r.task.await;
-        c.0 += r.counts.claims.load(Relaxed);
-        c.1 += r.counts.empty.load(Relaxed);
-        c.2 += r.counts.errors.load(Relaxed);
+        c.0 += r.counts.claim.load(Relaxed);
+        c.1 += r.counts.empty_claims();
+        c.2 += r.counts.claim_errors.load(Relaxed);
         r.db.close().await;
     }
     c
@@ -252,13 +184,13 @@ pub(crate) async fn idle(env: &Env, plan: &Plan) -> Result<Idle, AnyError> {
         ];
         ready(&replicas).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let claims_before: u64 = replicas.iter().map(|r| r.counts.claims.load(Relaxed)).sum();
+        let claims_before: u64 = replicas.iter().map(|r| r.counts.claim.load(Relaxed)).sum();
         env.reset_stats().await?;
         let started = Instant::now();
         tokio::time::sleep(plan.idle).await;
         let digests = env.digests(side).await?;
         let window = started.elapsed().as_secs_f64();
-        let claims_after: u64 = replicas.iter().map(|r| r.counts.claims.load(Relaxed)).sum();
+        let claims_after: u64 = replicas.iter().map(|r| r.counts.claim.load(Relaxed)).sum();
         if side == Side::Controller {
             // What one backstop costs: request a reconciliation of both controllers and count
             // every statement it causes (reconcile, claim, next_work_at).

@@ -4,7 +4,7 @@ use std::num::NonZeroUsize;
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::{self, Row};
-use nexuscrm_persistence::support::{from_ms, new_token, retrying, text, to_ms};
+use nexuscrm_persistence::support::{earliest, from_ms, new_token, retrying, text, to_ms};
 use nexuscrm_persistence::{Dialect, ProbeError, WriteError};
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
@@ -178,20 +178,8 @@ impl Source for FlowSource {
     ) -> Result<Option<SystemTime>, SourceError> {
         let db = &self.flow.inner.db;
         let q = queries(db.dialect());
-        let read = async {
-            let cursor: Option<i64> = sqlx::query(q.get("next_occurrence"))
-                .fetch_one(db.pool())
-                .await?
-                .try_get(0)?;
-            let lease: Option<i64> = sqlx::query(q.get("next_lease_expiry"))
-                .fetch_one(db.pool())
-                .await?
-                .try_get(0)?;
-            Ok::<_, sqlx::Error>(match (cursor, lease) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            })
-        };
+        let statements = [q.get("next_occurrence"), q.get("next_lease_expiry")];
+        let read = earliest(db, &statements);
         tokio::select! {
             biased;
             () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),

@@ -14,7 +14,8 @@ use nexuscrm_flow::{
 };
 use nexuscrm_persistence::Dialect;
 use nexuscrm_persistence::support::from_ms;
-use nexuscrm_worker::{Attempt, ClaimBatch, Generation, Source, SourceError};
+use nexuscrm_worker::{Attempt, Source};
+use nexuscrm_worker_test::scenarios::Counted;
 use tokio_util::sync::CancellationToken;
 
 const MIN: i64 = 60_000;
@@ -310,62 +311,6 @@ async fn an_update_racing_a_reservation_rejects_the_stale_reservation_and_the_ne
     }
 }
 
-/// A source wrapper that records how many schedules each claim returned.
-#[derive(Debug, Clone)]
-struct Recorded {
-    inner: FlowSource,
-    claims: Arc<Mutex<Vec<usize>>>,
-}
-
-impl Source for Recorded {
-    type Attempt = nexuscrm_flow::FlowAttempt;
-
-    async fn check_ready(&self, cancel: CancellationToken) -> Result<(), SourceError> {
-        self.inner.check_ready(cancel).await
-    }
-
-    async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
-        self.inner.reconcile(cancel).await
-    }
-
-    async fn claim(
-        &self,
-        capacity: NonZeroUsize,
-        cancel: CancellationToken,
-    ) -> Result<ClaimBatch<Self::Attempt>, SourceError> {
-        let batch = self.inner.claim(capacity, cancel).await?;
-        let (attempts, more) = batch.into_parts();
-        self.claims.lock().unwrap().push(attempts.len());
-        Ok(if more {
-            ClaimBatch::more(attempts)
-        } else {
-            ClaimBatch::done(attempts)
-        })
-    }
-
-    async fn next_work_at(
-        &self,
-        cancel: CancellationToken,
-    ) -> Result<Option<SystemTime>, SourceError> {
-        self.inner.next_work_at(cancel).await
-    }
-
-    async fn generation(
-        &self,
-        cancel: CancellationToken,
-    ) -> Result<Option<Generation>, SourceError> {
-        self.inner.generation(cancel).await
-    }
-
-    async fn generation_changed(
-        &self,
-        seen: Generation,
-        cancel: CancellationToken,
-    ) -> Result<Generation, SourceError> {
-        self.inner.generation_changed(seen, cancel).await
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_worker_claims_only_at_due_times_and_never_between_them() {
     for d in DIALECTS {
@@ -380,11 +325,8 @@ async fn an_idle_worker_claims_only_at_due_times_and_never_between_them() {
         let mut s = NewSchedule::new("s", "f", every(1), MisfirePolicy::Skip);
         s.start_at = Some(start);
         flow.create(s).await.unwrap();
-        let claims = Arc::new(Mutex::new(Vec::new()));
-        let source = Recorded {
-            inner: flow.source(),
-            claims: claims.clone(),
-        };
+        let source = Counted::new(flow.source());
+        let counts = source.counts();
         let ctl = nexuscrm_worker::Controller::new(source, controller_config("idle", 4)).unwrap();
         flow.set_waker(ctl.waker());
         let cancel = CancellationToken::new();
@@ -396,7 +338,7 @@ async fn an_idle_worker_claims_only_at_due_times_and_never_between_them() {
         .await;
         cancel.cancel();
         let ctl = run.await.unwrap().expect("clean stop");
-        let claims = claims.lock().unwrap().clone();
+        let claims = counts.batches();
         let runs: i64 = runs_by_schedule(&t.db)
             .await
             .values()

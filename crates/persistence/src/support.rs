@@ -102,6 +102,25 @@ where
     op().await
 }
 
+/// The earliest value of the single-value reads `statements` (each a `SELECT MIN(...)`, NULL
+/// when it finds nothing): how a family answers `next_work_at` from its indexed due and lease
+/// columns.
+///
+/// # Errors
+///
+/// A failed read.
+pub async fn earliest(db: &crate::Db, statements: &[&str]) -> Result<Option<i64>, sqlx::Error> {
+    let mut out: Option<i64> = None;
+    for sql in statements {
+        let v: Option<i64> = sqlx::query(sql).fetch_one(db.pool()).await?.try_get(0)?;
+        out = match (out, v) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    Ok(out)
+}
+
 /// A fresh 128-bit claim token, as 32 hex digits.
 #[must_use]
 pub fn new_token() -> String {

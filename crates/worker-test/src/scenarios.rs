@@ -110,6 +110,10 @@ pub struct Counts {
     pub in_flight: AtomicUsize,
     /// Most attempts running at once.
     pub max_in_flight: AtomicUsize,
+    /// `claim` calls that returned an error.
+    pub claim_errors: AtomicU64,
+    /// The number of attempts each successful `claim` returned, in call order.
+    batches: Mutex<Vec<usize>>,
 }
 
 /// How [`Counted`] steers attempts.
@@ -174,6 +178,21 @@ impl<S: Source> Counted<S> {
 impl Counts {
     fn n(c: &AtomicU64) -> u64 {
         c.load(SeqCst)
+    }
+
+    /// The number of attempts each successful `claim` returned, in call order.
+    #[must_use]
+    pub fn batches(&self) -> Vec<usize> {
+        self.batches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Successful `claim` calls that returned no attempt.
+    #[must_use]
+    pub fn empty_claims(&self) -> u64 {
+        self.batches().iter().filter(|&&n| n == 0).count() as u64
     }
 
     /// Checks the controller's snapshot against these counts.
@@ -246,7 +265,18 @@ impl<S: Source> Source for Counted<S> {
     ) -> Result<ClaimBatch<Self::Attempt>, SourceError> {
         self.counts.claim.fetch_add(1, SeqCst);
         self.counts.max_capacity.fetch_max(capacity.get(), SeqCst);
-        let (attempts, more) = self.inner.claim(capacity, cancel).await?.into_parts();
+        let (attempts, more) = match self.inner.claim(capacity, cancel).await {
+            Ok(batch) => batch.into_parts(),
+            Err(e) => {
+                self.counts.claim_errors.fetch_add(1, SeqCst);
+                return Err(e);
+            }
+        };
+        self.counts
+            .batches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(attempts.len());
         let steer = *self.steer.lock().unwrap_or_else(|e| e.into_inner());
         let wrapped: Vec<_> = attempts
             .into_iter()
