@@ -43,7 +43,7 @@ pub use ownership::Fence;
 pub use probe::{GenerationProbe, ProbeError};
 pub use queries::{DialectQueries, Queries};
 pub use sqlx;
-pub use tx::{TxFuture, WriteError, WriteTx};
+pub use tx::{TxFuture, WriteError, WriteTx, commit_rolled_back};
 
 /// The ownership authority's own migrations.
 pub const OWNERSHIP_MIGRATIONS: &[Migration] = &[Migration {

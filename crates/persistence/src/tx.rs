@@ -16,11 +16,14 @@ pub type TxFuture<'c, T> = Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> +
 #[derive(Debug)]
 pub enum WriteError {
     /// Provably not committed: `COMMIT` was never sent (cancelled, a statement failed, the
-    /// connection could not be had). Safe to report as "not committed".
+    /// connection could not be had), or the server answered `COMMIT` with an error that means
+    /// the transaction was rolled back ([`commit_rolled_back`]). Safe to report as "not
+    /// committed".
     NotCommitted(sqlx::Error),
     /// Cancelled before `COMMIT` was sent: not committed.
     Cancelled,
-    /// `COMMIT` was sent and its answer was lost: the outcome is unknown.
+    /// `COMMIT` was sent and its answer was lost (or was an error that does not say the
+    /// transaction rolled back): the outcome is unknown.
     OutcomeUnknown(sqlx::Error),
 }
 
@@ -167,8 +170,37 @@ impl Db {
             }
             Some(Ok(v)) => match tx.commit().await {
                 Ok(()) => Ok(v),
+                Err(e) if commit_rolled_back(self.dialect(), &e) => {
+                    Err(WriteError::NotCommitted(e))
+                }
                 Err(e) => Err(WriteError::OutcomeUnknown(e)),
             },
         }
+    }
+}
+
+/// Whether an error returned *by `COMMIT`* means the server rolled the transaction back, so
+/// nothing committed. Only definite aborts qualify; every other commit error (a lost connection,
+/// a timeout, an unknown code) stays outcome-unknown.
+///
+/// - PostgreSQL: SQLSTATE `40001` (serialization failure, e.g. a serializable conflict found at
+///   commit) and `40P01` (deadlock detected, e.g. in a deferred constraint trigger).
+/// - MySQL dialect: `1213` (deadlock; InnoDB rolls back the whole transaction, and a Galera
+///   certification failure at commit is reported this way), and TiDB's `8002` (a `SELECT ...
+///   FOR UPDATE` write conflict that cannot be retried), `8005` (write conflict, transaction
+///   rolled back) and `9007` (write conflict with a lost pessimistic lock).
+/// - SQLite: none; a failed `COMMIT` on SQLite leaves the transaction open or its outcome is
+///   the file's, so it is never claimed to be rolled back.
+#[must_use]
+pub fn commit_rolled_back(dialect: Dialect, error: &sqlx::Error) -> bool {
+    let Some(db) = error.as_database_error() else {
+        return false;
+    };
+    match dialect {
+        Dialect::Postgres => matches!(db.code().as_deref(), Some("40001" | "40P01")),
+        Dialect::Mysql => db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|e| matches!(e.number(), 1213 | 8002 | 8005 | 9007)),
+        Dialect::Sqlite => false,
     }
 }

@@ -186,3 +186,128 @@ async fn a_write_dropped_mid_begin_never_leaves_an_open_transaction_in_the_pool(
     }
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serialization_failure_at_commit_is_not_committed_and_other_commit_errors_stay_unknown() {
+    let Some(t) = TestDb::create(Dialect::Postgres, "commitabort").await else {
+        return;
+    };
+    // A deferred constraint trigger runs at COMMIT: it raises the SQLSTATE we choose, so the
+    // error comes from COMMIT itself (not from a statement before it).
+    for stmt in [
+        "CREATE TABLE c (id BIGINT PRIMARY KEY, code TEXT NOT NULL)",
+        "CREATE FUNCTION c_check() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+         IF NEW.code = 'ok' THEN RETURN NULL; END IF; \
+         RAISE EXCEPTION 'forced at commit' USING ERRCODE = NEW.code; END $$",
+        "CREATE CONSTRAINT TRIGGER c_at_commit AFTER INSERT ON c DEFERRABLE INITIALLY DEFERRED \
+         FOR EACH ROW EXECUTE FUNCTION c_check()",
+    ] {
+        sqlx::query(stmt).execute(t.db.pool()).await.unwrap();
+    }
+    let never = CancellationToken::new();
+    let mut id = 0;
+    for (code, rolled_back) in [
+        ("40001", true),  // serialization_failure
+        ("40P01", true),  // deadlock_detected
+        ("P0001", false), // raise_exception: not a definite abort code, stays unknown
+        ("ok", false),    // commits
+    ] {
+        id += 1;
+        let r =
+            t.db.write(&never, move |c| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO c (id, code) VALUES ($1, $2)")
+                        .bind(id)
+                        .bind(code)
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(())
+                })
+            })
+            .await;
+        let stored: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM c WHERE id = $1")
+            .bind(id)
+            .fetch_one(t.db.pool())
+            .await
+            .unwrap();
+        match (code, r) {
+            ("ok", Ok(())) => assert_eq!(stored, 1),
+            (_, Err(e)) => {
+                assert_eq!(stored, 0, "{code}: the server rolled back");
+                assert_eq!(e.is_not_committed(), rolled_back, "{code}: {e}");
+                assert!(
+                    matches!(
+                        (&e, rolled_back),
+                        (WriteError::NotCommitted(_), true)
+                            | (WriteError::OutcomeUnknown(_), false)
+                    ),
+                    "{code}: {e:?}"
+                );
+            }
+            (_, Ok(())) => panic!("{code}: the commit must fail"),
+        }
+    }
+    t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mysql_deadlock_is_classified_as_rolled_back() {
+    use nexuscrm_persistence::commit_rolled_back;
+    let Some(t) = TestDb::create(Dialect::Mysql, "deadlock").await else {
+        return;
+    };
+    sqlx::query("CREATE TABLE d (id BIGINT PRIMARY KEY, v BIGINT) ENGINE=InnoDB")
+        .execute(t.db.pool())
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO d VALUES (1, 0), (2, 0)")
+        .execute(t.db.pool())
+        .await
+        .unwrap();
+    let mut a = t.db.begin_write().await.unwrap();
+    let mut b = t.db.begin_write().await.unwrap();
+    sqlx::query("UPDATE d SET v = 1 WHERE id = 1")
+        .execute(a.conn())
+        .await
+        .unwrap();
+    sqlx::query("UPDATE d SET v = 1 WHERE id = 2")
+        .execute(b.conn())
+        .await
+        .unwrap();
+    // a waits for b's row; then b asks for a's row: InnoDB picks a victim at once.
+    let a_waits = tokio::spawn(async move {
+        let r = sqlx::query("UPDATE d SET v = 2 WHERE id = 2")
+            .execute(a.conn())
+            .await
+            .map(drop);
+        (a, r)
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let rb = sqlx::query("UPDATE d SET v = 2 WHERE id = 1")
+        .execute(b.conn())
+        .await
+        .map(drop);
+    let err = match rb {
+        Err(e) => {
+            b.rollback().await;
+            let (a, ra) = a_waits.await.unwrap();
+            ra.unwrap();
+            a.rollback().await;
+            e
+        }
+        Ok(()) => {
+            let (a, ra) = a_waits.await.unwrap();
+            a.rollback().await;
+            b.rollback().await;
+            ra.unwrap_err()
+        }
+    };
+    assert!(commit_rolled_back(Dialect::Mysql, &err), "{err}");
+    // The same text from another dialect, and a non-database error, are never "rolled back".
+    assert!(!commit_rolled_back(Dialect::Sqlite, &err));
+    assert!(!commit_rolled_back(
+        Dialect::Mysql,
+        &sqlx::Error::PoolTimedOut
+    ));
+    t.drop_database().await;
+}

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use nexuscrm_bulk::Bulk;
 use nexuscrm_flow::Flow;
-use nexuscrm_worker::{ControllerHandle, Declaration, Snapshot};
+use nexuscrm_worker::{CLAIM_LATENCY_BOUNDS, ControllerHandle, Declaration, Snapshot};
 use serde_json::{Value, json};
 
 /// One family as the admin server sees it.
@@ -136,6 +136,14 @@ fn snapshot_json(s: &Snapshot) -> Value {
         "name": s.name, "runs": s.runs, "ready": s.ready, "capacity": s.capacity,
         "in_flight": s.in_flight, "check_ready_calls": s.check_ready_calls,
         "claim_calls": s.claim_calls, "attempts_claimed": s.attempts_claimed,
+        "claim_capacity_asked": s.claim_capacity_asked, "claims_empty": s.claims_empty,
+        "claims_full": s.claims_full,
+        "claim_latency": {
+            "count": s.claim_latency.count(),
+            "sum_seconds": s.claim_latency.sum.as_secs_f64(),
+            "max_seconds": s.claim_latency.max.as_secs_f64(),
+            "buckets": s.claim_latency.buckets,
+        },
         "attempts_completed": s.attempts_completed, "attempts_failed": s.attempts_failed,
         "next_work_at_calls": s.next_work_at_calls, "next_work_at_errors": s.next_work_at_errors,
         "reconciles": {
@@ -146,6 +154,7 @@ fn snapshot_json(s: &Snapshot) -> Value {
         "wakes_received": s.wakes_received, "wakes_coalesced": s.wakes_coalesced,
         "timers_armed": s.timers_armed, "timers_fired": s.timers_fired,
         "overdue_suppressed": s.overdue_suppressed, "due_during_claim": s.due_during_claim,
+        "retimes_received": s.retimes_received,
         "generation_probes": s.generation_probes,
         "generation_changes": s.generation_changes, "generation_losses": s.generation_losses,
         "poisoned": s.poisoned,
@@ -173,6 +182,18 @@ async fn snapshot(State(admin): State<Admin>) -> Response {
 const COUNTERS: &[(&str, &str)] = &[
     ("nexuscrm_worker_runs_total", "Controller runs started."),
     ("nexuscrm_worker_claim_calls_total", "Source claim calls."),
+    (
+        "nexuscrm_worker_claim_capacity_asked_total",
+        "Slots asked for by claim calls (the capacity argument, summed).",
+    ),
+    (
+        "nexuscrm_worker_claims_empty_total",
+        "Successful claims that returned no attempt.",
+    ),
+    (
+        "nexuscrm_worker_claims_full_total",
+        "Successful claims that filled every slot asked for.",
+    ),
     (
         "nexuscrm_worker_attempts_claimed_total",
         "Attempts returned by claim.",
@@ -228,6 +249,7 @@ async fn metrics(State(admin): State<Admin>) -> Response {
     let mut out = String::new();
     let mut values: Vec<(String, String, f64)> = Vec::new();
     let mut gauges: Vec<(String, String, f64)> = Vec::new();
+    let mut histograms = Vec::new();
     for f in admin.families.iter() {
         let s = f.handle.snapshot();
         let fam = f.declaration.family().to_owned();
@@ -243,6 +265,17 @@ async fn metrics(State(admin): State<Admin>) -> Response {
             l.clone(),
             s.claim_calls as f64,
         ));
+        for (name, v) in [
+            (
+                "nexuscrm_worker_claim_capacity_asked_total",
+                s.claim_capacity_asked,
+            ),
+            ("nexuscrm_worker_claims_empty_total", s.claims_empty),
+            ("nexuscrm_worker_claims_full_total", s.claims_full),
+        ] {
+            values.push((name.into(), l.clone(), v as f64));
+        }
+        histograms.push((l.clone(), s.claim_latency));
         values.push((
             "nexuscrm_worker_attempts_claimed_total".into(),
             l.clone(),
@@ -347,6 +380,25 @@ async fn metrics(State(admin): State<Admin>) -> Response {
         for (n, labels, v) in values.iter().filter(|(n, _, _)| n == name) {
             let _ = writeln!(out, "{n}{{{labels}}} {v}");
         }
+    }
+    let name = "nexuscrm_worker_claim_latency_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Claim round trips (issue to answer).\n# TYPE {name} histogram"
+    );
+    for (labels, h) in &histograms {
+        let cumulative = h.cumulative();
+        for (bound, n) in CLAIM_LATENCY_BOUNDS.iter().zip(cumulative) {
+            let le = bound.as_secs_f64();
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels},le=\"+Inf\"}} {}\n{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {}",
+            h.count(),
+            h.sum.as_secs_f64(),
+            h.count()
+        );
     }
     for (name, help) in [
         (

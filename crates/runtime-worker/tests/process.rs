@@ -242,6 +242,21 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
         samples += 1;
     }
     assert!(samples > 20, "{metrics}");
+    // Claim figures to tune with: batch sizes asked and returned, and a latency histogram.
+    for want in [
+        "# TYPE nexuscrm_worker_claim_latency_seconds histogram",
+        "nexuscrm_worker_claim_latency_seconds_bucket{family=\"bulk\",le=\"+Inf\"}",
+        "nexuscrm_worker_claim_latency_seconds_count{family=\"flow\"}",
+        "nexuscrm_worker_claim_capacity_asked_total{family=\"bulk\"}",
+        "nexuscrm_worker_claims_empty_total{family=\"bulk\"}",
+    ] {
+        assert!(metrics.contains(want), "{want} missing from:\n{metrics}");
+    }
+    let asked = v["families"][0]["controller"]["claim_capacity_asked"]
+        .as_u64()
+        .unwrap();
+    assert!(asked >= 1, "the startup claim asked for slots");
+    assert!(v["families"][0]["controller"]["claim_latency"]["count"].as_u64() >= Some(1));
     signal(&w, "-TERM");
     assert!(
         wait_exit(&mut w, Duration::from_secs(20)).success(),

@@ -92,10 +92,17 @@ pub enum OnCancel {
     Ignore,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ErrKind {
+    Unknown,
+    NotCommitted,
+    Superseded,
+}
+
 /// A scripted reply: the value or error, after an optional delay.
 #[derive(Debug, Clone)]
 pub struct Step<T> {
-    reply: Result<T, (bool, String)>,
+    reply: Result<T, (ErrKind, String)>,
     delay: Duration,
     on_cancel: OnCancel,
 }
@@ -113,7 +120,7 @@ impl<T> Step<T> {
     /// Replies an outcome-unknown error.
     pub fn err(message: impl Into<String>) -> Self {
         Step {
-            reply: Err((false, message.into())),
+            reply: Err((ErrKind::Unknown, message.into())),
             delay: Duration::ZERO,
             on_cancel: OnCancel::Error,
         }
@@ -122,7 +129,16 @@ impl<T> Step<T> {
     /// Replies a proven not-committed error.
     pub fn not_committed(message: impl Into<String>) -> Self {
         Step {
-            reply: Err((true, message.into())),
+            reply: Err((ErrKind::NotCommitted, message.into())),
+            delay: Duration::ZERO,
+            on_cancel: OnCancel::Error,
+        }
+    }
+
+    /// Replies a "fenced out by a newer owner" error ([`SourceError::superseded`]).
+    pub fn superseded(message: impl Into<String>) -> Self {
+        Step {
+            reply: Err((ErrKind::Superseded, message.into())),
             delay: Duration::ZERO,
             on_cancel: OnCancel::Error,
         }
@@ -259,6 +275,7 @@ struct Script {
     reconcile: VecDeque<Step<()>>,
     claim: VecDeque<Step<ClaimPlan>>,
     default_claim: Option<ClaimFn>,
+    default_claim_delay: Duration,
     next_work_at: VecDeque<Step<Due>>,
     default_due: Due,
     generation: Option<u64>,
@@ -328,6 +345,7 @@ impl ScriptedSource {
                     reconcile: VecDeque::new(),
                     claim: VecDeque::new(),
                     default_claim: None,
+                    default_claim_delay: Duration::ZERO,
                     next_work_at: VecDeque::new(),
                     default_due: Due::Never,
                     generation: None,
@@ -379,6 +397,12 @@ impl ScriptedSource {
     /// The claim answer when no reply is queued, computed from the capacity asked for.
     pub fn default_claim(&self, f: impl Fn(usize) -> ClaimPlan + Send + Sync + 'static) -> &Self {
         lock(&self.inner.script).default_claim = Some(Arc::new(f));
+        self
+    }
+
+    /// How long a default (unqueued) claim reply takes: a store round trip. Default zero.
+    pub fn default_claim_delay(&self, delay: Duration) -> &Self {
+        lock(&self.inner.script).default_claim_delay = delay;
         self
     }
 
@@ -570,18 +594,16 @@ impl ScriptedSource {
             if cancelled {
                 self.inner.ops_cancelled.fetch_add(1, SeqCst);
                 if step.on_cancel == OnCancel::Error {
-                    reply = Err((false, "cancelled while in flight".into()));
+                    reply = Err((ErrKind::Unknown, "cancelled while in flight".into()));
                 }
             }
         }
         guard.done = true;
         drop(guard);
-        reply.map_err(|(not_committed, msg)| {
-            if not_committed {
-                SourceError::not_committed(msg)
-            } else {
-                SourceError::new(msg)
-            }
+        reply.map_err(|(kind, msg)| match kind {
+            ErrKind::Unknown => SourceError::new(msg),
+            ErrKind::NotCommitted => SourceError::not_committed(msg),
+            ErrKind::Superseded => SourceError::superseded(msg),
         })
     }
 }
@@ -635,7 +657,8 @@ impl Source for ScriptedSource {
                 None => Step::ok(match &s.default_claim {
                     Some(f) => f(capacity.get()),
                     None => ClaimPlan::empty(),
-                }),
+                })
+                .after(s.default_claim_delay),
             }
         };
         let plan = self.play(step, &cancel).await?;

@@ -327,6 +327,10 @@ pub enum RunErrorKind {
     NotReady,
     /// `reconcile` or `claim` failed with a proven not-committed error. Not poisoned.
     NotCommitted,
+    /// A newer deployment generation fenced the source out ([`SourceError::superseded`]):
+    /// nothing committed, so the controller is handed back and not poisoned, but restarting it
+    /// would only be fenced out again: the process should stop (the Runtime Worker exits 1).
+    Superseded,
     /// `reconcile` or `claim` failed and a durable transition may have committed. Poisoned.
     OutcomeUnknown,
     /// The source broke the protocol (too many attempts, an empty batch asking for more).
@@ -349,7 +353,10 @@ impl RunErrorKind {
     /// Whether this kind leaves the controller poisoned.
     #[must_use]
     pub fn poisons(self) -> bool {
-        !matches!(self, RunErrorKind::NotReady | RunErrorKind::NotCommitted)
+        !matches!(
+            self,
+            RunErrorKind::NotReady | RunErrorKind::NotCommitted | RunErrorKind::Superseded
+        )
     }
 }
 
@@ -386,6 +393,13 @@ impl<S: Source> RunError<S> {
         self.kind == RunErrorKind::OutcomeUnknown
     }
 
+    /// Whether a newer deployment generation fenced the source out (see
+    /// [`RunErrorKind::Superseded`]).
+    #[must_use]
+    pub fn is_superseded(&self) -> bool {
+        self.kind == RunErrorKind::Superseded
+    }
+
     /// The Source operation involved (`check_ready`, `reconcile`, `claim`, `next_work_at`,
     /// `generation`), if any.
     #[must_use]
@@ -400,7 +414,8 @@ impl<S: Source> RunError<S> {
         self.in_flight
     }
 
-    /// The controller, when reuse is safe (`NotReady`, `NotCommitted`); `None` when poisoned.
+    /// The controller, when reuse is safe (`NotReady`, `NotCommitted`, `Superseded`); `None`
+    /// when poisoned.
     #[must_use]
     pub fn into_controller(self) -> Option<Controller<S>> {
         self.controller
@@ -474,6 +489,12 @@ struct Run<S: Source> {
     claim_started: Option<SystemTime>,
     /// When the latest claim began (tokio time), for the claim cooldown.
     claim_began: Option<Instant>,
+    /// The pending claim turn exists only because a `next_work_at` answer fell due during the
+    /// latest claim (no wake, timer, reconciliation or continuation asked for it).
+    due_reclaim_pending: bool,
+    /// The latest claim was such a re-claim: if its own answer is again already due, it is
+    /// suppressed instead of re-claimed (at most one immediate re-claim per answer).
+    claim_was_due_reclaim: bool,
     backstop_due: bool,
     timer: Option<Instant>,
     next_backstop: Instant,
@@ -502,6 +523,8 @@ impl<S: Source> Run<S> {
             claim_pending: false,
             claim_started: None,
             claim_began: None,
+            due_reclaim_pending: false,
+            claim_was_due_reclaim: false,
             backstop_due: false,
             timer: None,
             next_backstop: Instant::now(),
@@ -580,9 +603,17 @@ impl<S: Source> Run<S> {
     /// A `reconcile` or `claim` error: not-committed stops reusably, anything else poisons.
     fn mutating_error(&mut self, op: &'static str, error: SourceError) {
         if error.is_not_committed() {
-            // Interrupted by our own stop with nothing committed: a clean stop, not an error.
-            if !self.stop.is_cancelled() && self.reusable.is_none() && self.failure.is_none() {
-                self.reusable = Some((RunErrorKind::NotCommitted, op, error));
+            let kind = if error.is_superseded() {
+                RunErrorKind::Superseded
+            } else {
+                RunErrorKind::NotCommitted
+            };
+            // Interrupted by our own stop with nothing committed: a clean stop, not an error
+            // (unless a newer owner fenced us out: that must be said even during a stop).
+            let report = !self.stop.is_cancelled() || kind == RunErrorKind::Superseded;
+            if report && self.reusable.is_none() && self.failure.is_none() {
+                log_event!(warn, controller = %self.shared.name, op, error = %error, "controller stopped: {:?}", kind);
+                self.reusable = Some((kind, op, error));
             }
             self.begin_stop();
         } else {
@@ -718,6 +749,7 @@ impl<S: Source> Run<S> {
                 } else {
                     self.claim_pending = true;
                 }
+                self.due_reclaim_pending = false;
             }
             let free = self.config.capacity.get() - self.attempts.len();
             // While attempts run, a refill waits out the cooldown so freed slots batch up.
@@ -737,6 +769,8 @@ impl<S: Source> Run<S> {
                 continue;
             }
             if self.shared.retime_pending.swap(false, Relaxed) {
+                // A retime is a new fact from the domain: its answer may earn one re-claim.
+                self.claim_was_due_reclaim = false;
                 self.next_work_at().await;
                 continue;
             }
@@ -760,6 +794,7 @@ impl<S: Source> Run<S> {
                     self.timer = None;
                     bump(&self.counters().timers_fired);
                     self.claim_pending = true;
+                    self.due_reclaim_pending = false;
                 }
                 () = sleep_until(backstop) => self.backstop_due = true,
             }
@@ -795,23 +830,37 @@ impl<S: Source> Run<S> {
         let result = self.op(async move { src.reconcile(token).await }).await;
         self.next_backstop = self.backstop_after_now();
         match result {
-            Ok(Ok(())) => self.claim_pending = true,
+            Ok(Ok(())) => {
+                self.claim_pending = true;
+                self.due_reclaim_pending = false;
+            }
             Ok(Err(e)) => self.mutating_error("reconcile", e),
             Err(f) => self.fail_op("reconcile", f),
         }
     }
 
     async fn claim(&mut self, free: NonZeroUsize) {
-        // Wakes raised before this claim begins are satisfied by it.
+        // Wakes raised before this claim begins are satisfied by it (and make it more than a
+        // due re-claim).
+        let mut due_reclaim = std::mem::take(&mut self.due_reclaim_pending);
         if self.shared.wake_pending.swap(false, Relaxed) {
             bump(&self.counters().wakes_coalesced);
+            due_reclaim = false;
         }
+        self.claim_was_due_reclaim = due_reclaim;
         bump(&self.counters().claim_calls);
         self.claim_started = Some(self.config.clock.now());
         self.claim_began = Some(Instant::now());
+        self.counters()
+            .claim_capacity_asked
+            .fetch_add(free.get() as u64, Relaxed);
         let src = self.source.clone();
         let token = self.stop.clone();
+        let issued = Instant::now();
         let result = self.op(async move { src.claim(free, token).await }).await;
+        if result.is_ok() {
+            self.counters().claim_latency(issued.elapsed());
+        }
         self.claim_pending = false;
         let batch: ClaimBatch<S::Attempt> = match result {
             Ok(Ok(batch)) => batch,
@@ -842,6 +891,11 @@ impl<S: Source> Run<S> {
         self.counters()
             .attempts_claimed
             .fetch_add(attempts.len() as u64, Relaxed);
+        if attempts.is_empty() {
+            bump(&self.counters().claims_empty);
+        } else if attempts.len() == free.get() {
+            bump(&self.counters().claims_full);
+        }
         for attempt in attempts {
             // After cancellation the token is already cancelled: the attempt releases its claim.
             self.attempts.spawn(attempt.run(self.stop.clone()));
@@ -849,6 +903,7 @@ impl<S: Source> Run<S> {
         self.sync_in_flight();
         if more {
             self.claim_pending = true;
+            self.claim_was_due_reclaim = false;
         } else if !self.stop.is_cancelled() {
             self.next_work_at().await;
         }
@@ -866,13 +921,21 @@ impl<S: Source> Run<S> {
                         self.timer = Some(Instant::now() + d.min(MAX_TIMER));
                         bump(&self.counters().timers_armed);
                     }
-                    _ if self.claim_started.is_some_and(|c| at > c) => {
+                    _ if !self.claim_was_due_reclaim
+                        && self.claim_started.is_some_and(|c| at > c) =>
+                    {
                         // It fell due after the latest claim read the store (a due time between
-                        // that claim and this read): not something that claim declined. Claim
-                        // again at once; the next claim starts later than `at`, so this cannot
-                        // repeat without new work falling due.
+                        // that claim's snapshot and this read): a fact that fell due after the
+                        // claim's snapshot is not the fact the claim declined. Claim again at
+                        // once, but only once: if that re-claim's own answer is again already
+                        // due (a row another replica holds, a store clock behind ours), it is
+                        // suppressed below, so an always-due answer cannot become an empty
+                        // query loop.
                         self.timer = None;
-                        self.claim_pending = true;
+                        if !self.claim_pending {
+                            self.claim_pending = true;
+                            self.due_reclaim_pending = true;
+                        }
                         bump(&self.counters().due_during_claim);
                     }
                     _ => {

@@ -17,24 +17,33 @@
 //! - [`Controller`], [`Config`], [`ControllerHandle`], [`Snapshot`], [`RunError`].
 //! - [`Declaration`]: what an acknowledgement promises ([`Durability`] × [`Effect`]).
 //! - [`fault`]: the crash-point vocabulary and the zero-cost [`fault::Faults`] hook.
+//! - [`bridge`]: drive wakes, retimes and reconcile requests from any cross-process channel
+//!   (your own `PgListener`, a bus) without this crate depending on a database client.
 //!
 //! # Example
 //!
-//! A small in-memory source: a queue of numbers, each attempt adds its number to a total.
+//! A small in-memory source: a queue of numbers, each due at a time; each attempt adds its number
+//! to a total. Eligibility is decided on the controller's clock (`Config::clock`), which the
+//! source shares, so a timer-fired claim and the claim's own "now" agree (a database source binds
+//! that same "now" into its SQL: see [`Source`]).
 //!
 //! ```
-//! use std::collections::VecDeque;
+//! use std::collections::BTreeMap;
 //! use std::num::NonZeroUsize;
 //! use std::sync::{Arc, Mutex};
 //! use std::sync::atomic::{AtomicU64, Ordering};
-//! use std::time::SystemTime;
+//! use std::time::{Duration, SystemTime};
+//! // The crate alone is enough: CancellationToken is re-exported.
 //! use nexuscrm_worker::{
-//!     Attempt, AttemptError, ClaimBatch, Config, Controller, Source, SourceError,
+//!     Attempt, AttemptError, CancellationToken, ClaimBatch, Clock, Config, Controller, Source,
+//!     SourceError, SystemClock,
 //! };
-//! use tokio_util::sync::CancellationToken;
 //!
-//! #[derive(Default)]
-//! struct Queue { items: Mutex<VecDeque<u64>>, total: Arc<AtomicU64> }
+//! struct Queue {
+//!     clock: Arc<dyn Clock>,
+//!     items: Mutex<BTreeMap<(SystemTime, u64), ()>>, // (due, number)
+//!     total: Arc<AtomicU64>,
+//! }
 //!
 //! struct Add { n: u64, total: Arc<AtomicU64> }
 //!
@@ -47,35 +56,50 @@
 //!
 //! impl Source for Queue {
 //!     type Attempt = Add;
+//!     // Nothing external to check, nothing derived to rebuild: both may be no-ops (see Source).
 //!     async fn check_ready(&self, _: CancellationToken) -> Result<(), SourceError> { Ok(()) }
 //!     async fn reconcile(&self, _: CancellationToken) -> Result<(), SourceError> { Ok(()) }
 //!     async fn claim(&self, capacity: NonZeroUsize, _: CancellationToken)
 //!         -> Result<ClaimBatch<Add>, SourceError>
 //!     {
+//!         let now = self.clock.now(); // the controller's clock, as SQL would bind it
 //!         let mut q = self.items.lock().unwrap();
-//!         let n = capacity.get().min(q.len());
-//!         let batch: Vec<Add> =
-//!             q.drain(..n).map(|n| Add { n, total: self.total.clone() }).collect();
-//!         Ok(if q.is_empty() { ClaimBatch::done(batch) } else { ClaimBatch::more(batch) })
+//!         let due: Vec<_> = q.keys().take_while(|(at, _)| *at <= now)
+//!             .take(capacity.get()).copied().collect();
+//!         let batch: Vec<Add> = due.iter()
+//!             .map(|k| { q.remove(k); Add { n: k.1, total: self.total.clone() } })
+//!             .collect();
+//!         let more = q.keys().next().is_some_and(|(at, _)| *at <= now);
+//!         Ok(if more { ClaimBatch::more(batch) } else { ClaimBatch::done(batch) })
 //!     }
 //!     async fn next_work_at(&self, _: CancellationToken)
-//!         -> Result<Option<SystemTime>, SourceError> { Ok(None) }
+//!         -> Result<Option<SystemTime>, SourceError>
+//!     {
+//!         Ok(self.items.lock().unwrap().keys().next().map(|(at, _)| *at))
+//!     }
 //! }
 //!
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
-//! let queue = Arc::new(Queue::default());
-//! let controller = Controller::from_arc(queue.clone(), Config::new("adder")).unwrap();
+//! let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+//! let queue = Arc::new(Queue {
+//!     clock: clock.clone(),
+//!     items: Mutex::default(),
+//!     total: Arc::default(),
+//! });
+//! let config = Config::new("adder").clock(clock.clone());
+//! let controller = Controller::from_arc(queue.clone(), config).unwrap();
 //! let handle = controller.handle();
 //! let cancel = CancellationToken::new();
 //! let running = tokio::spawn(controller.run(cancel.clone()));
 //! assert!(handle.ready().await);
 //!
-//! // A producer commits work, then wakes the controller.
-//! queue.items.lock().unwrap().extend(1..=10);
+//! // A producer commits work that is due now, then wakes the controller.
+//! let now = clock.now();
+//! queue.items.lock().unwrap().extend((1..=10).map(|n| ((now, n), ())));
 //! handle.waker().wake();
 //! while queue.total.load(Ordering::SeqCst) < 55 {
-//!     tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+//!     tokio::time::sleep(Duration::from_millis(1)).await;
 //! }
 //!
 //! cancel.cancel();
@@ -116,6 +140,7 @@ macro_rules! log_event {
     };
 }
 
+pub mod bridge;
 mod classification;
 mod clock;
 mod config;
@@ -128,13 +153,16 @@ pub use classification::{Classification, Declaration, DeclarationError, Durabili
 pub use clock::{Clock, SystemClock};
 pub use config::{Config, ConfigError};
 pub use controller::{Controller, ControllerHandle, RunError, RunErrorKind, Waker};
-pub use snapshot::{ReconcileCause, ReconcileCounts, Snapshot};
+pub use snapshot::{CLAIM_LATENCY_BOUNDS, ClaimLatency, ReconcileCause, ReconcileCounts, Snapshot};
 pub use source::{Attempt, AttemptError, BoxError, ClaimBatch, Generation, Source, SourceError};
+/// Re-exported so that a `Source` written against this crate needs no direct `tokio-util`
+/// dependency: every Source and Attempt method receives one.
+pub use tokio_util::sync::CancellationToken;
 
 #[allow(dead_code)]
 fn assert_send<T: Send>(_: &T) {}
 
 #[allow(dead_code)]
 fn run_future_is_send<S: Source>(c: Controller<S>) {
-    assert_send(&c.run(tokio_util::sync::CancellationToken::new()));
+    assert_send(&c.run(CancellationToken::new()));
 }

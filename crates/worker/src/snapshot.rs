@@ -2,6 +2,61 @@
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::time::Duration;
+
+/// Upper bounds (inclusive) of the claim latency buckets; a last, unbounded bucket follows.
+pub const CLAIM_LATENCY_BOUNDS: [Duration; 8] = [
+    Duration::from_millis(1),
+    Duration::from_millis(2),
+    Duration::from_millis(5),
+    Duration::from_millis(10),
+    Duration::from_millis(25),
+    Duration::from_millis(100),
+    Duration::from_millis(500),
+    Duration::from_secs(2),
+];
+
+/// Claim round-trip latencies: a small fixed-bucket histogram with sum and maximum, measured on
+/// tokio's clock from the moment a claim is issued until its answer (success or error) arrives.
+///
+/// `buckets[i]` counts claims with latency `<= CLAIM_LATENCY_BOUNDS[i]` and above the previous
+/// bound; `buckets[8]` counts the slower ones. [`cumulative`](ClaimLatency::cumulative) gives
+/// Prometheus-style `le` counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimLatency {
+    /// Per-bucket counts (not cumulative); the last bucket is unbounded.
+    pub buckets: [u64; CLAIM_LATENCY_BOUNDS.len() + 1],
+    /// Sum of all latencies.
+    pub sum: Duration,
+    /// The slowest claim.
+    pub max: Duration,
+}
+
+impl ClaimLatency {
+    /// Claims measured.
+    #[must_use]
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+
+    /// Cumulative counts per bound (`le`), the last one being `+Inf` (= [`count`](Self::count)).
+    #[must_use]
+    pub fn cumulative(&self) -> [u64; CLAIM_LATENCY_BOUNDS.len() + 1] {
+        let mut out = self.buckets;
+        for i in 1..out.len() {
+            out[i] += out[i - 1];
+        }
+        out
+    }
+
+    /// Mean latency, if any claim was measured.
+    #[must_use]
+    pub fn mean(&self) -> Option<Duration> {
+        let n = self.count();
+        (n > 0).then(|| self.sum / u32::try_from(n).unwrap_or(u32::MAX))
+    }
+}
 
 /// Why a reconciliation ran. Requests that arrive together coalesce into one reconciliation,
 /// counted once under the first cause in this order: startup, requested, generation change,
@@ -69,6 +124,15 @@ pub struct Snapshot {
     pub check_ready_calls: u64,
     /// `claim` calls.
     pub claim_calls: u64,
+    /// Slots asked for, summed over every `claim` call (the capacity argument). With
+    /// `attempts_claimed` and `claim_calls` this gives the mean batch asked and returned.
+    pub claim_capacity_asked: u64,
+    /// Successful claims that returned no attempt.
+    pub claims_empty: u64,
+    /// Successful claims that filled every slot asked for.
+    pub claims_full: u64,
+    /// Claim round-trip latencies.
+    pub claim_latency: ClaimLatency,
     /// Attempts returned by `claim`.
     pub attempts_claimed: u64,
     /// Attempts that returned (`Ok`, `Err` or panic).
@@ -115,6 +179,12 @@ pub(crate) struct Counters {
     pub(crate) in_flight: AtomicUsize,
     pub(crate) check_ready_calls: AtomicU64,
     pub(crate) claim_calls: AtomicU64,
+    pub(crate) claim_capacity_asked: AtomicU64,
+    pub(crate) claims_empty: AtomicU64,
+    pub(crate) claims_full: AtomicU64,
+    pub(crate) claim_latency_buckets: [AtomicU64; CLAIM_LATENCY_BOUNDS.len() + 1],
+    pub(crate) claim_latency_sum_ns: AtomicU64,
+    pub(crate) claim_latency_max_ns: AtomicU64,
     pub(crate) attempts_claimed: AtomicU64,
     pub(crate) attempts_completed: AtomicU64,
     pub(crate) attempts_failed: AtomicU64,
@@ -144,6 +214,17 @@ pub(crate) fn bump(counter: &AtomicU64) {
 }
 
 impl Counters {
+    pub(crate) fn claim_latency(&self, latency: Duration) {
+        let i = CLAIM_LATENCY_BOUNDS
+            .iter()
+            .position(|b| latency <= *b)
+            .unwrap_or(CLAIM_LATENCY_BOUNDS.len());
+        bump(&self.claim_latency_buckets[i]);
+        let ns = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
+        self.claim_latency_sum_ns.fetch_add(ns, Relaxed);
+        self.claim_latency_max_ns.fetch_max(ns, Relaxed);
+    }
+
     pub(crate) fn reconcile(&self, cause: ReconcileCause) {
         bump(match cause {
             ReconcileCause::Startup => &self.reconcile_startup,
@@ -164,6 +245,14 @@ impl Counters {
             in_flight: self.in_flight.load(Relaxed),
             check_ready_calls: l(&self.check_ready_calls),
             claim_calls: l(&self.claim_calls),
+            claim_capacity_asked: l(&self.claim_capacity_asked),
+            claims_empty: l(&self.claims_empty),
+            claims_full: l(&self.claims_full),
+            claim_latency: ClaimLatency {
+                buckets: std::array::from_fn(|i| l(&self.claim_latency_buckets[i])),
+                sum: Duration::from_nanos(l(&self.claim_latency_sum_ns)),
+                max: Duration::from_nanos(l(&self.claim_latency_max_ns)),
+            },
             attempts_claimed: l(&self.attempts_claimed),
             attempts_completed: l(&self.attempts_completed),
             attempts_failed: l(&self.attempts_failed),

@@ -32,7 +32,41 @@ pub struct Generation(pub u64);
 /// `reconcile` and `claim` may mutate durable state, so their errors are *outcome unknown*
 /// unless built with [`SourceError::not_committed`]; such an error permanently poisons the
 /// controller. `check_ready`, `next_work_at` and the generation probe are read-only; their errors
-/// never poison.
+/// never poison. A source fenced out by a newer owner says so with [`SourceError::superseded`].
+///
+/// # One clock: bind the controller's "now" into eligibility
+///
+/// The controller arms its due timer on [`Config::clock`](crate::Config::clock) (by default the
+/// system clock). If `claim` decides eligibility on the *database's* clock (`run_at <= now()`)
+/// while the timer runs on the process's, a database clock that lags makes the timer-fired claim
+/// come back empty, and the job then waits for the reconciliation backstop. Read the same clock
+/// the controller uses and bind it, as the Bulk family does:
+///
+/// ```text
+/// -- claim: `$now` is Config::clock's now(), read once the transaction holds its locks
+/// UPDATE job SET token = $token, lease_until = $now + $lease
+///  WHERE id IN (SELECT id FROM job WHERE run_at <= $now OR lease_until <= $now
+///               ORDER BY run_at LIMIT $capacity FOR UPDATE SKIP LOCKED)
+/// RETURNING id;
+/// -- next_work_at: the same facts, so the answer and the claim agree
+/// SELECT MIN(run_at) FROM job WHERE token IS NULL;
+/// ```
+///
+/// Read "now" *inside* the transaction, after it holds its locks (and again on every retry): a
+/// time read before a long lock wait is stale by the time the statement runs.
+///
+/// # When a no-op `check_ready` or `reconcile` is correct
+///
+/// - `check_ready` may return `Ok(())` at once when the source has no external dependency to
+///   verify (an in-memory queue), or when the process already proved the store reachable and its
+///   schema current before building the controller. Otherwise read something cheap that fails
+///   when the schema is missing.
+/// - `reconcile` may be a no-op when every eligible item is found by `claim` itself and by
+///   `next_work_at`: nothing derived needs materializing, no accepted-but-not-queued state exists,
+///   and leases held by dead or older owners expire into eligibility on their own (the claim
+///   takes expired leases, and `next_work_at` reports the earliest expiry). If a dead owner's
+///   lease can only be released by a write (an older deployment generation's claims, say), or
+///   acceptance happens outside the claimable table, `reconcile` must do that work.
 pub trait Source: Send + Sync + 'static {
     /// The already-claimed unit of work this source hands out.
     type Attempt: Attempt;
@@ -236,6 +270,7 @@ pub struct SourceError {
 enum Commit {
     Unknown,
     NotCommitted,
+    Superseded,
 }
 
 impl SourceError {
@@ -255,16 +290,37 @@ impl SourceError {
         }
     }
 
+    /// The source has been fenced out: a newer deployment generation owns its work, and this
+    /// operation committed nothing (the fence check inside its transaction said so).
+    ///
+    /// The controller stops the run without poisoning
+    /// ([`RunErrorKind::Superseded`](crate::RunErrorKind::Superseded)); it is not a transient
+    /// failure to restart after, so a supervisor should stop the process with its "superseded
+    /// generation" exit path. Readiness goes false when the run ends.
+    pub fn superseded(error: impl Into<BoxError>) -> Self {
+        SourceError {
+            committed: Commit::Superseded,
+            inner: error.into(),
+        }
+    }
+
     /// Whether a durable transition may have committed (the default).
     #[must_use]
     pub fn is_outcome_unknown(&self) -> bool {
         self.committed == Commit::Unknown
     }
 
-    /// Whether the source proved that nothing committed.
+    /// Whether the source proved that nothing committed (also true when
+    /// [`superseded`](SourceError::superseded)).
     #[must_use]
     pub fn is_not_committed(&self) -> bool {
-        self.committed == Commit::NotCommitted
+        matches!(self.committed, Commit::NotCommitted | Commit::Superseded)
+    }
+
+    /// Whether a newer owner fenced this source out ([`SourceError::superseded`]).
+    #[must_use]
+    pub fn is_superseded(&self) -> bool {
+        self.committed == Commit::Superseded
     }
 
     /// The underlying error.
@@ -288,6 +344,7 @@ impl fmt::Display for SourceError {
         match self.committed {
             Commit::Unknown => write!(f, "{} (outcome unknown)", self.inner),
             Commit::NotCommitted => write!(f, "{} (not committed)", self.inner),
+            Commit::Superseded => write!(f, "{} (superseded; not committed)", self.inner),
         }
     }
 }

@@ -422,6 +422,74 @@ async fn work_that_fell_due_during_the_claim_is_claimed_at_once_but_only_once() 
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_always_due_source_costs_two_claims_after_startup_and_two_per_backstop_turn() {
+    // A store round trip of 10 ms per claim, and a `next_work_at` that always answers "due now"
+    // (a row another replica holds, or a store clock behind ours): without the bound on
+    // `due_during_claim` this was 6,001 empty claims in one idle minute.
+    let src = ScriptedSource::new();
+    src.default_claim_delay(Duration::from_millis(10));
+    src.default_due(Due::Ago(Duration::ZERO));
+    let r = start(&src);
+    sleep(SEC).await;
+    settle().await;
+    // Start-up claim, its one due re-claim, then suppression.
+    assert_calls!(src, reconcile = 1, claim = 2, next_work_at = 2);
+    let snap = r.handle.snapshot();
+    assert_eq!((snap.due_during_claim, snap.overdue_suppressed), (1, 1));
+    // Nothing more for the rest of the backstop period.
+    sleep(Duration::from_secs(298)).await;
+    settle().await;
+    assert_calls!(src, reconcile = 1, claim = 2, next_work_at = 2);
+    // Each backstop turn costs one reconcile and at most two claims.
+    for turn in 1..=3u64 {
+        sleep(Duration::from_secs(300)).await;
+        settle().await;
+        let n = 1 + turn as usize;
+        assert_calls!(src, reconcile = n, claim = 2 * n, next_work_at = 2 * n);
+    }
+    let snap = r.handle.snapshot();
+    assert_eq!((snap.due_during_claim, snap.overdue_suppressed), (4, 4));
+    assert_eq!(snap.timers_armed, 0);
+    src.assert_snapshot_agrees(&snap);
+    // A wake is a new fact: one claim, one due re-claim, then quiet again.
+    r.handle.waker().wake();
+    sleep(Duration::from_millis(100)).await;
+    settle().await;
+    assert_calls!(src, reconcile = 4, claim = 10, next_work_at = 10);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_due_time_inside_one_claim_is_claimed_once_and_not_left_for_the_backstop() {
+    // The claim takes 2 s; the answer is due 1 s after it began. It is claimed at once (not
+    // after 300 s), and the re-claim's own answer (due in 60 s) arms a timer normally.
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::empty()).after(2 * SEC));
+    src.push_next_work_at(Step::ok(Due::Ago(SEC)));
+    src.push_next_work_at(Step::ok(Due::In(Duration::from_secs(60))));
+    let r = start(&src);
+    sleep(3 * SEC).await;
+    settle().await;
+    assert_calls!(src, claim = 2, next_work_at = 2);
+    assert_eq!(src.times(Op::Claim), vec![Duration::ZERO, 2 * SEC]);
+    let snap = r.handle.snapshot();
+    assert_eq!(
+        (
+            snap.due_during_claim,
+            snap.overdue_suppressed,
+            snap.timers_armed
+        ),
+        (1, 0, 1)
+    );
+    sleep(Duration::from_secs(60)).await;
+    settle().await;
+    assert_calls!(src, claim = 3);
+    assert_eq!(src.times(Op::Claim)[2], Duration::from_secs(62));
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_already_due_next_work_at_is_not_armed_and_nothing_runs_until_wake_or_backstop() {
     for due in [Due::Ago(Duration::ZERO), Due::Ago(Duration::from_secs(5))] {
         let src = ScriptedSource::new();
@@ -724,6 +792,82 @@ async fn a_claim_error_caused_by_cancellation_still_poisons() {
     assert!(err.is_poisoned());
     assert_eq!(src.ops_cancelled(), 1);
     assert_eq!(src.ops_dropped(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_superseded_source_stops_ready_without_poison_and_says_why() {
+    for op in [Op::Reconcile, Op::Claim] {
+        let src = ScriptedSource::new();
+        // The startup reconcile and claim succeed; the fence answers "superseded" on the next.
+        match op {
+            Op::Reconcile => {
+                src.push_reconcile(Step::ok(()));
+                src.push_reconcile(Step::superseded("generation 2 owns bulk"));
+            }
+            _ => {
+                src.push_claim(Step::ok(ClaimPlan::empty()));
+                src.push_claim(Step::superseded("generation 2 owns bulk"));
+            }
+        };
+        let ctl = Controller::new(src.clone(), config(&src)).unwrap();
+        let handle = ctl.handle();
+        let task = tokio::spawn(ctl.run(CancellationToken::new()));
+        assert!(handle.ready().await);
+        assert!(handle.snapshot().ready);
+        match op {
+            Op::Reconcile => handle.request_reconcile(),
+            _ => handle.waker().wake(),
+        }
+        let err = task.await.unwrap().unwrap_err();
+        assert_eq!(err.kind(), RunErrorKind::Superseded, "{op:?}");
+        assert!(err.is_superseded() && !err.is_poisoned() && !err.is_outcome_unknown());
+        assert_eq!(err.operation(), Some(op.name()));
+        assert!(err.to_string().contains("generation 2 owns bulk"), "{err}");
+        assert!(!handle.snapshot().ready, "readiness goes false");
+        assert!(!handle.is_poisoned());
+        src.assert_snapshot_agrees(&handle.snapshot());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_snapshot_reports_claim_batch_sizes_and_latency() {
+    let src = ScriptedSource::new();
+    // Startup claim: 10 ms, empty. Then a wake: 30 ms, full (4 of 4, more). Then 600 ms, 1 of 4.
+    src.push_claim(Step::ok(ClaimPlan::empty()).after(Duration::from_millis(10)));
+    src.push_claim(
+        Step::ok(ClaimPlan::more(vec![AttemptPlan::ok(Duration::ZERO); 4]))
+            .after(Duration::from_millis(30)),
+    );
+    src.push_claim(
+        Step::ok(ClaimPlan::done(vec![AttemptPlan::ok(Duration::ZERO)]))
+            .after(Duration::from_millis(600)),
+    );
+    let r = start(&src);
+    sleep(SEC).await;
+    r.handle.waker().wake();
+    sleep(2 * SEC).await;
+    settle().await;
+    let snap = r.handle.snapshot();
+    assert_eq!(src.claim_capacities(), vec![4, 4, 4]);
+    assert_eq!(snap.claim_calls, 3);
+    assert_eq!(snap.claim_capacity_asked, 12);
+    assert_eq!(snap.attempts_claimed, 5);
+    assert_eq!((snap.claims_empty, snap.claims_full), (1, 1));
+    let l = snap.claim_latency;
+    assert_eq!(l.count(), 3);
+    assert_eq!(l.sum, Duration::from_millis(640));
+    assert_eq!(l.max, Duration::from_millis(600));
+    // 10 ms -> le 10 ms; 30 ms -> le 100 ms; 600 ms -> le 2 s.
+    let bounds = nexuscrm_worker::CLAIM_LATENCY_BOUNDS;
+    let at = |d: Duration| bounds.iter().position(|b| *b == d).unwrap();
+    let mut want = [0u64; 9];
+    want[at(Duration::from_millis(10))] = 1;
+    want[at(Duration::from_millis(100))] = 1;
+    want[at(Duration::from_secs(2))] = 1;
+    assert_eq!(l.buckets, want);
+    assert_eq!(l.cumulative()[8], 3);
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
 }
 
 #[tokio::test(start_paused = true)]
