@@ -158,15 +158,31 @@ impl BulkSource {
         &self.bulk
     }
 
-    /// The polled generation cursor: `MAX(id)`, which grows when any process accepts a job.
+    /// The polled generation cursor: `MAX(id)`, which grows when any process accepts a job,
+    /// mixed with the fence's generation, which grows when a newer deployment takes over (so a
+    /// fenced-out replica reconciles, learns it is superseded and stops). One statement.
     async fn max_id(&self) -> Result<u64, sqlx::Error> {
         let q = queries(self.bulk.inner.db.dialect());
-        let v: Option<i64> = sqlx::query(q.get("generation"))
+        let row = sqlx::query(q.get("generation"))
             .fetch_one(self.bulk.inner.db.pool())
-            .await
-            .and_then(|r| r.try_get(0))?;
-        Ok(v.unwrap_or(0) as u64)
+            .await?;
+        let id: Option<i64> = row.try_get(0)?;
+        let owner: Option<i64> = row.try_get(1)?;
+        Ok(mix_cursor(id.unwrap_or(0), owner.unwrap_or(0)))
     }
+}
+
+/// Folds the owning generation into a polled cursor (the controller only compares for equality).
+pub(crate) fn mix_cursor(id: i64, owner: i64) -> u64 {
+    (id as u64).wrapping_add((owner as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// The error a fenced-out claim or reconciliation returns: nothing committed, and a newer
+/// generation owns the family.
+pub(crate) fn superseded(generation: i64) -> SourceError {
+    SourceError::superseded(format!(
+        "generation {generation} is fenced out of `bulk`: a newer deployment generation owns it"
+    ))
 }
 
 fn probe_error(e: ProbeError) -> SourceError {
@@ -196,24 +212,31 @@ impl Source for BulkSource {
         let db = inner.db.clone();
         let fence = inner.fence.clone();
         let q = queries(db.dialect());
-        let now = to_ms(inner.clock.now());
-        retrying(&cancel, || {
-            let (db, fence) = (db.clone(), fence.clone());
+        let held = retrying(&cancel, || {
+            let (db, fence, clock) = (db.clone(), fence.clone(), inner.clock.clone());
             inner.db.write(&cancel, move |c| {
                 Box::pin(async move {
-                    if fence.holds(c, &db).await? {
-                        sqlx::query(q.get("release_older_generations"))
-                            .bind(now)
-                            .bind(fence.generation())
-                            .execute(&mut *c)
-                            .await?;
+                    if !fence.holds(c, &db).await? {
+                        return Ok(false);
                     }
-                    Ok(())
+                    // "Now" once the transaction holds its locks.
+                    let now = to_ms(clock.now());
+                    sqlx::query(q.get("release_older_generations"))
+                        .bind(now)
+                        .bind(fence.generation())
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(true)
                 })
             })
         })
         .await
-        .map_err(source_error)
+        .map_err(source_error)?;
+        if held {
+            Ok(())
+        } else {
+            Err(superseded(fence.generation()))
+        }
     }
 
     async fn claim(
@@ -227,16 +250,21 @@ impl Source for BulkSource {
         let dialect = db.dialect();
         let q = queries(dialect);
         let token = new_token();
-        let now = to_ms(inner.clock.now());
-        let lease_until = now + inner.cfg.lease.as_millis() as i64;
+        let lease_ms = inner.cfg.lease.as_millis() as i64;
         let limit = capacity.get() as i64;
         let claimed = retrying(&cancel, || {
             let (db, fence, claim_token) = (db.clone(), fence.clone(), token.clone());
+            let clock = inner.clock.clone();
             inner.db.write(&cancel, move |c| {
                 Box::pin(async move {
                     if !fence.holds(c, &db).await? {
                         return Ok(None); // Fenced out: claim nothing.
                     }
+                    // "Now" once the transaction holds its locks (and anew on every retry), not
+                    // before it waited for them: a stale "now" misses jobs that fell due during
+                    // the wait and dates their leases in the past.
+                    let now = to_ms(clock.now());
+                    let lease_until = now + lease_ms;
                     let query = sqlx::query(q.get("claim"))
                         .bind(claim_token.as_str())
                         .bind(lease_until)
@@ -265,7 +293,7 @@ impl Source for BulkSource {
         .await
         .map_err(source_error)?;
         let Some(mut jobs) = claimed else {
-            return Ok(ClaimBatch::empty());
+            return Err(superseded(fence.generation()));
         };
         inner
             .faults
@@ -363,8 +391,8 @@ impl BulkAttempt {
         let db = inner.db.clone();
         let fence = inner.fence.clone();
         let q = queries(db.dialect());
-        let now = to_ms(inner.clock.now());
-        let run_at = now + delay.as_millis() as i64;
+        let clock = inner.clock.clone();
+        let delay_ms = delay.as_millis() as i64;
         let (id, token) = (self.job.id, self.token.clone());
         let never = CancellationToken::new();
         inner
@@ -374,6 +402,8 @@ impl BulkAttempt {
                     if !fence.holds(c, &db).await? {
                         return Ok(());
                     }
+                    let now = to_ms(clock.now());
+                    let run_at = now + delay_ms;
                     sqlx::query(q.get("release"))
                         .bind(state)
                         .bind(run_at)
@@ -403,8 +433,8 @@ impl BulkAttempt {
         let dialect = db.dialect();
         let fence = inner.fence.clone();
         let q = queries(db.dialect());
-        let now = to_ms(inner.clock.now());
-        let lease_until = now + inner.cfg.lease.as_millis() as i64;
+        let clock = inner.clock.clone();
+        let lease_ms = inner.cfg.lease.as_millis() as i64;
         let (id, token) = (self.job.id, self.token.clone());
         let never = CancellationToken::new();
         inner
@@ -414,6 +444,8 @@ impl BulkAttempt {
                     if !fence.holds(c, &db).await? {
                         return Ok(false);
                     }
+                    let now = to_ms(clock.now());
+                    let lease_until = now + lease_ms;
                     let heartbeat = sqlx::query(q.get("heartbeat"))
                         .bind(lease_until)
                         .bind(now)
@@ -438,7 +470,6 @@ impl BulkAttempt {
         let fence = inner.fence.clone();
         let dialect = db.dialect();
         let q = queries(dialect);
-        let now = to_ms(inner.clock.now());
         let lease_ms = inner.cfg.lease.as_millis() as i64;
         let clock = inner.clock.clone();
         let (id, token) = (self.job.id, self.token.clone());
@@ -449,6 +480,8 @@ impl BulkAttempt {
                     if !fence.holds(c, &db).await? {
                         return Ok(Segment::Lost);
                     }
+                    // "Now" once the transaction holds its locks (and anew on every retry).
+                    let now = to_ms(clock.now());
                     let Some(job) = sqlx::query(q.get("job_for_segment"))
                         .bind(id)
                         .bind(token.as_str())
@@ -476,9 +509,16 @@ impl BulkAttempt {
                         let key = text(row, 1)?;
                         let fields = text(row, 2)?;
                         next = ordinal + 1;
-                        let parsed: Map<String, Value> =
-                            serde_json::from_str(&fields).unwrap_or_default();
-                        if let Some(problem) = row_problem(&parsed) {
+                        // Stored fields that do not parse as a JSON object are a row-level
+                        // rejection with its reason, never a silent write of `{}`.
+                        let problem = match serde_json::from_str::<Map<String, Value>>(&fields) {
+                            Ok(parsed) => row_problem(&parsed),
+                            Err(e) => Some(format!(
+                                "stored fields are not a JSON object ({e}); the row was not \
+                                 applied"
+                            )),
+                        };
+                        if let Some(problem) = problem {
                             sqlx::query(q.get("row_error_insert"))
                                 .bind(id)
                                 .bind(ordinal)

@@ -205,12 +205,15 @@ async fn a_newer_generation_takes_over_mid_job_and_the_old_one_can_neither_claim
             0,
             "{d}: the fenced commit was rejected"
         );
-        // Generation 1 claims nothing any more.
-        let again = src1
+        // Generation 1 claims nothing any more, and says why: superseded, nothing committed.
+        let err = src1
             .claim(NonZeroUsize::new(4).unwrap(), cancel.clone())
             .await
-            .unwrap();
-        assert!(again.is_empty(), "{d}");
+            .unwrap_err();
+        assert!(err.is_superseded() && err.is_not_committed(), "{d}: {err}");
+        assert!(err.to_string().contains("fenced out"), "{d}: {err}");
+        let err = src1.reconcile(cancel.clone()).await.unwrap_err();
+        assert!(err.is_superseded(), "{d}: {err}");
         // Generation 2 reconciles (releasing generation 1's lease at once) and completes.
         drain(&gen2, 2, &[id]).await;
         assert_eq!(gen2.status(id).await.unwrap().unwrap().state, "succeeded");
@@ -460,4 +463,121 @@ async fn an_idle_postgres_worker_listening_for_notifications_issues_no_queries()
     cancel.cancel();
     run.await.unwrap().unwrap();
     t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_reads_now_after_its_lock_wait_so_work_due_during_the_wait_is_claimed() {
+    use nexuscrm_worker_test::ManualClock;
+    for d in DIALECTS {
+        let Some(t) = TestDb::create(d, "lockwait").await else {
+            continue;
+        };
+        let t0 = std::time::SystemTime::now();
+        let clock = ManualClock::at(t0);
+        let lease = Duration::from_secs(10);
+        let bulk = Bulk::open(
+            t.db.clone(),
+            1,
+            BulkOptions::default()
+                .config(test_config().lease(lease))
+                .clock(clock.clone()),
+        )
+        .await
+        .unwrap();
+        bulk.take_ownership("test").await.unwrap();
+        // Due 30 s after t0: not eligible when the claim is issued.
+        let mut j = job(0, 3, 3);
+        j.run_at = Some(t0 + Duration::from_secs(30));
+        let id = bulk.submit(j).await.unwrap().job;
+        // Another connection holds the fence row (SQLite: the write lock), so the claim waits.
+        let mut holder = t.db.begin_write().await.unwrap();
+        sqlx::query("UPDATE runtime_work_fence SET generation = generation")
+            .execute(holder.conn())
+            .await
+            .unwrap();
+        let src = bulk.source();
+        let claim = tokio::spawn(async move {
+            src.claim(NonZeroUsize::new(4).unwrap(), CancellationToken::new())
+                .await
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!claim.is_finished(), "{d}: the claim waits for the lock");
+        // One minute passes during the wait; the job fell due meanwhile.
+        clock.advance(Duration::from_secs(60));
+        holder.rollback().await;
+        let batch = claim.await.unwrap().unwrap();
+        assert_eq!(
+            batch.len(),
+            1,
+            "{d}: a claim with a 'now' read before its lock wait misses the job"
+        );
+        // Its lease counts from the time the lock was held, not from before the wait.
+        let lease_ms: i64 = sqlx::query_scalar(if d == Dialect::Postgres {
+            "SELECT lease_expires_at FROM bulk_job WHERE id = $1"
+        } else {
+            "SELECT lease_expires_at FROM bulk_job WHERE id = ?"
+        })
+        .bind(id.0)
+        .fetch_one(t.db.pool())
+        .await
+        .unwrap();
+        let want = nexuscrm_persistence::support::to_ms(t0 + Duration::from_secs(60) + lease);
+        assert_eq!(lease_ms, want, "{d}");
+        for a in batch.into_parts().0 {
+            a.run(CancellationToken::new()).await.unwrap();
+        }
+        assert_eq!(bulk.status(id).await.unwrap().unwrap().state, "succeeded");
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_fields_that_do_not_parse_are_rejected_with_a_reason_never_applied_as_empty() {
+    for d in DIALECTS {
+        let Some((t, bulk)) = bulk_on(d, "badjson", 1).await else {
+            continue;
+        };
+        let id = bulk.submit(job(0, 3, 10)).await.unwrap().job;
+        // Corrupt one stored row behind the producer's back (a bad migration, a manual edit).
+        sqlx::query(if d == Dialect::Postgres {
+            "UPDATE bulk_input SET fields = '{not json' WHERE job_id = $1 AND ordinal = 1"
+        } else {
+            "UPDATE bulk_input SET fields = '{not json' WHERE job_id = ? AND ordinal = 1"
+        })
+        .bind(id.0)
+        .execute(t.db.pool())
+        .await
+        .unwrap();
+        drain(&bulk, 1, &[id]).await;
+        let s = bulk.status(id).await.unwrap().unwrap();
+        assert_eq!(
+            (s.state.as_str(), s.applied_rows, s.rejected_rows),
+            ("succeeded", 2, 1),
+            "{d}"
+        );
+        let row = sqlx::query(if d == Dialect::Postgres {
+            "SELECT message FROM bulk_row_error WHERE job_id = $1 AND ordinal = 1"
+        } else {
+            "SELECT message FROM bulk_row_error WHERE job_id = ? AND ordinal = 1"
+        })
+        .bind(id.0)
+        .fetch_one(t.db.pool())
+        .await
+        .unwrap();
+        let message = nexuscrm_persistence::support::text(&row, 0).unwrap();
+        assert!(message.contains("not a JSON object"), "{d}: {message}");
+        // The corrupt row wrote nothing: no record, no change-log entry.
+        let records: i64 = sqlx::query_scalar(if d == Dialect::Postgres {
+            "SELECT COUNT(*) FROM crm_record WHERE record_key = $1"
+        } else {
+            "SELECT COUNT(*) FROM crm_record WHERE record_key = ?"
+        })
+        .bind("rec-0-1")
+        .fetch_one(t.db.pool())
+        .await
+        .unwrap();
+        assert_eq!(records, 0, "{d}: nothing written for the corrupt row");
+        assert_eq!(applied(&t.db).await.changes, 2, "{d}");
+        t.drop_database().await;
+    }
 }

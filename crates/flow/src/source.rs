@@ -51,8 +51,23 @@ async fn read_generation(db: &nexuscrm_persistence::Db) -> Result<u64, sqlx::Err
         .await?;
     let id: Option<i64> = row.try_get(0)?;
     let defined: Option<i64> = row.try_get(1)?;
+    // The fence's generation grows when a newer deployment takes over: a fenced-out replica
+    // then reconciles, learns it is superseded and stops.
+    let owner: Option<i64> = row.try_get(2)?;
     let (id, defined) = (id.unwrap_or(0) as u64, defined.unwrap_or(0) as u64);
-    Ok(defined.wrapping_mul(1_000_003).wrapping_add(id))
+    let owner = owner.unwrap_or(0) as u64;
+    Ok(defined
+        .wrapping_mul(1_000_003)
+        .wrapping_add(id)
+        .wrapping_add(owner.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+}
+
+/// The error a fenced-out claim or reconciliation returns: nothing committed, and a newer
+/// generation owns the family.
+fn superseded(generation: i64) -> SourceError {
+    SourceError::superseded(format!(
+        "generation {generation} is fenced out of `flow`: a newer deployment generation owns it"
+    ))
 }
 
 fn probe_error(e: ProbeError) -> SourceError {
@@ -78,24 +93,31 @@ impl Source for FlowSource {
     async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
         let inner = &self.flow.inner;
         let q = queries(inner.db.dialect());
-        let now = inner.now_ms();
-        retrying(&cancel, || {
+        let held = retrying(&cancel, || {
             let (db, fence) = (inner.db.clone(), inner.fence.clone());
+            let clock = inner.clock.clone();
             inner.db.write(&cancel, move |c| {
                 Box::pin(async move {
-                    if fence.holds(c, &db).await? {
-                        sqlx::query(q.get("release_older_generations"))
-                            .bind(now)
-                            .bind(fence.generation())
-                            .execute(&mut *c)
-                            .await?;
+                    if !fence.holds(c, &db).await? {
+                        return Ok(false);
                     }
-                    Ok(())
+                    let now = to_ms(clock.now());
+                    sqlx::query(q.get("release_older_generations"))
+                        .bind(now)
+                        .bind(fence.generation())
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(true)
                 })
             })
         })
         .await
-        .map_err(source_error)
+        .map_err(source_error)?;
+        if held {
+            Ok(())
+        } else {
+            Err(superseded(inner.fence.generation()))
+        }
     }
 
     async fn claim(
@@ -148,7 +170,7 @@ impl Source for FlowSource {
         .await
         .map_err(source_error)?;
         let Some(mut schedules) = claimed else {
-            return Ok(ClaimBatch::empty());
+            return Err(superseded(inner.fence.generation()));
         };
         inner
             .faults

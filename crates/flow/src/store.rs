@@ -541,12 +541,17 @@ impl Flow {
     ///
     /// A newer generation owns it, an injected crash, or a database error.
     pub async fn take_ownership(&self, owner: &str) -> Result<(), FlowError> {
-        self.inner.faults.hit(CrashPoint::OwnershipTransfer)?;
         self.inner
             .db
             .take_ownership(FAMILY, self.inner.fence.generation(), owner)
             .await
             .map_err(|e| FlowError::db("taking ownership of flow", e))?;
+        // The transfer is half done here: the new fence is committed, this generation has not
+        // claimed yet, and older generations may still hold leases.
+        self.inner.faults.hit(CrashPoint::OwnershipTransfer)?;
+        // Tell fenced-out replicas at once (PostgreSQL NOTIFY; the polled cursor includes the
+        // fence): they reconcile, learn they are superseded and stop.
+        self.inner.probe.notify(&self.inner.db).await;
         Ok(())
     }
 

@@ -18,26 +18,46 @@ use crate::config::Settings;
 use crate::{AnyError, admin, listen_for_signals, owner};
 
 /// How a supervised controller ended.
+#[derive(Debug, PartialEq, Eq)]
 enum Ended {
     Clean,
+    /// A newer deployment generation owns the family: exit 1, not a restart.
+    Superseded(String),
     Poisoned(String),
 }
 
+/// The first restart delay after a not-committed stop; doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// The longest restart delay.
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// A run that lasted this long was healthy: the next restart waits [`FIRST_BACKOFF`] again
+/// instead of continuing the doubling of earlier, unrelated blips.
+const HEALTHY_RUN: Duration = Duration::from_secs(60);
+
 /// Runs `ctl` until `cancel`; a proven not-committed stop restarts it with backoff (1 s doubling
-/// to 60 s); a poisoned controller ends supervision.
+/// to 60 s, back to 1 s after a run that stayed up for [`HEALTHY_RUN`]); a poisoned or
+/// superseded controller ends supervision.
 async fn supervise<S: Source>(mut ctl: Controller<S>, cancel: CancellationToken) -> Ended {
     let name = ctl.config().get_name().to_owned();
-    let mut backoff = Duration::from_secs(1);
+    let mut backoff = FIRST_BACKOFF;
     loop {
+        let started = tokio::time::Instant::now();
         match ctl.run(cancel.clone()).await {
             Ok(_) => return Ended::Clean,
             Err(e) if e.is_poisoned() => {
                 tracing::error!(controller = %name, kind = ?e.kind(), in_flight = e.in_flight(), "controller poisoned: {e}");
                 return Ended::Poisoned(e.to_string());
             }
+            Err(e) if e.is_superseded() => {
+                tracing::error!(controller = %name, "superseded generation, stopping: {e}");
+                return Ended::Superseded(e.to_string());
+            }
             Err(e) => {
                 if cancel.is_cancelled() {
                     return Ended::Clean;
+                }
+                if started.elapsed() >= HEALTHY_RUN {
+                    backoff = FIRST_BACKOFF;
                 }
                 tracing::warn!(controller = %name, "controller stopped, restarting in {backoff:?}: {e}");
                 let Some(back) = e.into_controller() else {
@@ -48,7 +68,7 @@ async fn supervise<S: Source>(mut ctl: Controller<S>, cancel: CancellationToken)
                     () = cancel.cancelled() => return Ended::Clean,
                     () = tokio::time::sleep(backoff) => {}
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(60));
+                backoff = (backoff * 2).min(MAX_BACKOFF);
             }
         }
     }
@@ -60,8 +80,9 @@ async fn supervise_all<S: Source>(ctl: Option<Controller<S>>, cancel: Cancellati
         return Ended::Clean;
     };
     let ended = supervise(ctl, cancel.clone()).await;
-    if matches!(ended, Ended::Poisoned(_)) {
-        // One poisoned family stops the process: drain the others, then exit 2.
+    if matches!(ended, Ended::Poisoned(_) | Ended::Superseded(_)) {
+        // One poisoned family stops the process: drain the others, then exit 2. A superseded
+        // one means a newer deployment owns this process's work: drain the others, exit 1.
         cancel.cancel();
     }
     ended
@@ -197,20 +218,39 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     signals.abort();
     admin_stop.cancel();
     let _ = server.await;
-    let poisoned: Vec<String> = [bulk_ended, flow_ended]
-        .into_iter()
+    let ended = [bulk_ended, flow_ended];
+    let poisoned: Vec<&String> = ended
+        .iter()
         .filter_map(|e| match e {
             Ended::Poisoned(reason) => Some(reason),
-            Ended::Clean => None,
+            _ => None,
         })
         .collect();
-    Ok(if poisoned.is_empty() {
+    let superseded: Vec<&String> = ended
+        .iter()
+        .filter_map(|e| match e {
+            Ended::Superseded(reason) => Some(reason),
+            _ => None,
+        })
+        .collect();
+    Ok(if poisoned.is_empty() && superseded.is_empty() {
         tracing::info!("drained cleanly");
         ExitCode::SUCCESS
+    } else if poisoned.is_empty() {
+        let reasons: Vec<&str> = superseded.iter().map(|s| s.as_str()).collect();
+        tracing::error!(
+            "exiting: superseded generation (a newer deployment owns this work): {}",
+            reasons.join("; ")
+        );
+        ExitCode::from(1)
     } else {
         tracing::error!(
             "exiting: a poisoned controller must be replaced with the process: {}",
-            poisoned.join("; ")
+            poisoned
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("; ")
         );
         ExitCode::from(2)
     })
@@ -256,4 +296,61 @@ pub(crate) async fn print_status(addr: &str) -> Result<ExitCode, AnyError> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nexuscrm_worker_test::{Op, ScriptedSource, Step};
+
+    fn controller(src: &ScriptedSource) -> Controller<ScriptedSource> {
+        Controller::new(
+            src.clone(),
+            Config::new("t")
+                .reconcile_interval(Duration::from_secs(300))
+                .reconcile_jitter(Duration::ZERO)
+                .clock(src.clock()),
+        )
+        .unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn restart_backoff_doubles_on_blips_and_resets_after_a_healthy_run() {
+        let src = ScriptedSource::new();
+        // Three start-up blips (1 s, 2 s, 4 s), a run that stays up until its 300 s backstop
+        // reconciliation blips, then a blip at once.
+        for _ in 0..3 {
+            src.push_reconcile(Step::not_committed("pool timed out"));
+        }
+        src.push_reconcile(Step::ok(()));
+        src.push_reconcile(Step::not_committed("pool timed out"));
+        src.push_reconcile(Step::not_committed("pool timed out"));
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(supervise(controller(&src), cancel.clone()));
+        tokio::time::sleep(Duration::from_secs(320)).await;
+        let starts: Vec<u64> = src
+            .times(Op::CheckReady)
+            .iter()
+            .map(|d| d.as_secs())
+            .collect();
+        // Without the reset the fifth start would come 8 s after the healthy run (315 s) and
+        // the sixth 16 s later.
+        assert_eq!(starts, vec![0, 1, 3, 7, 308, 310]);
+        cancel.cancel();
+        assert_eq!(task.await.unwrap(), Ended::Clean);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_superseded_controller_ends_supervision_without_restarting() {
+        let src = ScriptedSource::new();
+        src.push_reconcile(Step::superseded("generation 2 owns bulk"));
+        let cancel = CancellationToken::new();
+        let ended = supervise(controller(&src), cancel).await;
+        assert!(
+            matches!(&ended, Ended::Superseded(why) if why.contains("generation 2 owns bulk")),
+            "{ended:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        assert_eq!(src.count(Op::CheckReady), 1, "no restart");
+    }
 }

@@ -42,3 +42,34 @@ impl Clock for PausedClock {
         self.base + (Instant::now() - self.start)
     }
 }
+
+/// A wall clock the test sets by hand (for store tests on real time, where a paused tokio clock
+/// does not apply): "now" changes only when [`set`](ManualClock::set) or
+/// [`advance`](ManualClock::advance) is called.
+#[derive(Debug)]
+pub struct ManualClock(std::sync::Mutex<SystemTime>);
+
+impl ManualClock {
+    /// A shared clock whose current time is `t`.
+    #[must_use]
+    pub fn at(t: SystemTime) -> std::sync::Arc<ManualClock> {
+        std::sync::Arc::new(ManualClock(std::sync::Mutex::new(t)))
+    }
+
+    /// Sets "now".
+    pub fn set(&self, t: SystemTime) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = t;
+    }
+
+    /// Moves "now" forward by `d`.
+    pub fn advance(&self, d: Duration) {
+        let mut now = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *now += d;
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> SystemTime {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

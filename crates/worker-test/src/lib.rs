@@ -50,7 +50,7 @@ pub mod memory;
 pub mod scenarios;
 pub mod scripted;
 
-pub use clock::PausedClock;
+pub use clock::{ManualClock, PausedClock};
 pub use matrix::{Cell, CrashContext, CrashFamily, CrashMatrix, Deadlines, Phase, Report};
 pub use nexuscrm_worker::fault::{Crash, CrashPoint, Faults};
 pub use scripted::{

@@ -12,30 +12,13 @@ use nexuscrm_flow::{Flow, FlowConfig, FlowOptions};
 use nexuscrm_persistence::sqlx::{self, Row};
 use nexuscrm_persistence::testing::TestDb;
 use nexuscrm_persistence::{Db, Dialect};
-use nexuscrm_worker::{Clock, Config, Controller, RunErrorKind};
+use nexuscrm_worker::{Config, Controller, RunErrorKind};
 use tokio_util::sync::CancellationToken;
 
 pub const DIALECTS: [Dialect; 3] = [Dialect::Sqlite, Dialect::Postgres, Dialect::Mysql];
 
-/// A wall clock the test sets.
-#[derive(Debug)]
-pub struct ManualClock(Mutex<SystemTime>);
-
-impl ManualClock {
-    pub fn at(t: SystemTime) -> Arc<ManualClock> {
-        Arc::new(ManualClock(Mutex::new(t)))
-    }
-
-    pub fn set(&self, t: SystemTime) {
-        *self.0.lock().unwrap() = t;
-    }
-}
-
-impl Clock for ManualClock {
-    fn now(&self) -> SystemTime {
-        *self.0.lock().unwrap()
-    }
-}
+#[allow(unused_imports)]
+pub use nexuscrm_worker_test::ManualClock;
 
 pub fn test_config() -> FlowConfig {
     FlowConfig::default()
