@@ -119,6 +119,30 @@ impl CrashFamily for BulkFamily {
         worker: Arc<Worker>,
         ctx: CrashContext,
     ) -> Result<(), BoxError> {
+        if point == CrashPoint::OwnershipTransfer {
+            // Generation 1 is alive and holds a lease on a job it has not finished; generation 2
+            // (the worker under test) takes over: its fence write commits, then it crashes
+            // before its first claim, a transfer half done.
+            let old = Bulk::without_migrations(
+                worker.db.clone(),
+                1,
+                BulkOptions::default().config(config(Some(point))),
+            );
+            old.take_ownership("gen-1").await?;
+            for j in 0..JOBS {
+                old.submit(job(j, ROWS, 10)).await?;
+            }
+            let held = old
+                .source()
+                .claim(NonZeroUsize::new(1).unwrap(), CancellationToken::new())
+                .await?;
+            if held.is_empty() {
+                return Err("generation 1 claimed nothing: no lease is held".into());
+            }
+            let new = bulk(&worker, 2, config(Some(point)));
+            new.take_ownership("gen-2").await?;
+            return Err("the takeover committed without reaching the crash point".into());
+        }
         let bulk = bulk(&worker, 1, config(Some(point)));
         bulk.take_ownership("gen-1").await?;
         if point == CrashPoint::LeaseExpiry {

@@ -149,6 +149,30 @@ impl CrashFamily for FlowFamily {
         worker: Arc<Worker>,
         ctx: CrashContext,
     ) -> Result<(), BoxError> {
+        if point == CrashPoint::OwnershipTransfer {
+            // Generation 1 is alive and holds a lease on a schedule it has not reserved;
+            // generation 2 (the worker under test) takes over: its fence write commits, then it
+            // crashes before its first claim, a transfer half done.
+            let old = Flow::without_migrations(
+                worker.db.clone(),
+                1,
+                FlowOptions::default().config(config(Some(point))),
+            );
+            old.take_ownership("gen-1").await?;
+            for i in 0..SCHEDULES {
+                old.create(schedule(&worker.fixture, i)).await?;
+            }
+            let held = old
+                .source()
+                .claim(NonZeroUsize::new(1).unwrap(), CancellationToken::new())
+                .await?;
+            if held.is_empty() {
+                return Err("generation 1 claimed nothing: no lease is held".into());
+            }
+            let new = flow(&worker, 2, config(Some(point)));
+            new.take_ownership("gen-2").await?;
+            return Err("the takeover committed without reaching the crash point".into());
+        }
         let flow = flow(&worker, 1, config(Some(point)));
         flow.take_ownership("gen-1").await?;
         if point == CrashPoint::LeaseExpiry {

@@ -528,3 +528,102 @@ async fn four_workers_reserve_500_schedules_every_second_exactly_once_on_postgre
 async fn four_workers_reserve_500_schedules_every_second_exactly_once_on_mysql() {
     load(Dialect::Mysql).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_generation_fenced_out_while_alive_can_neither_claim_nor_reserve() {
+    for d in DIALECTS {
+        let Some((t, gen1)) = flow_on(d, "fenced", FlowOptions::default()).await else {
+            continue;
+        };
+        // Due at once: one occurrence one second ago.
+        let mut s = NewSchedule::new("fenced", "tick", every(60), MisfirePolicy::FireOnce);
+        s.start_at = Some(SystemTime::now() - Duration::from_secs(1));
+        gen1.create(s).await.unwrap();
+        let src1 = gen1.source();
+        let mut held = claim_all(&src1).await;
+        assert_eq!(held.len(), 1, "{d}");
+        // Generation 2 takes over while generation 1 still holds the schedule's lease.
+        let gen2 = nexuscrm_flow::Flow::without_migrations(
+            t.db.clone(),
+            2,
+            FlowOptions::default().config(test_config()),
+        );
+        gen2.take_ownership("new").await.unwrap();
+        // Generation 1's reservation is fenced out: no run is written.
+        held.pop()
+            .unwrap()
+            .run(CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!(
+            run_counts(&t.db).await,
+            (0, 0),
+            "{d}: the fenced reservation wrote nothing"
+        );
+        // Generation 1 claims and reconciles no more, and says why.
+        let err = src1
+            .claim(NonZeroUsize::new(4).unwrap(), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert!(err.is_superseded() && err.is_not_committed(), "{d}: {err}");
+        let err = src1.reconcile(CancellationToken::new()).await.unwrap_err();
+        assert!(err.is_superseded(), "{d}: {err}");
+        // Generation 2 reconciles (releasing generation 1's lease at once) and reserves it once.
+        let src2 = gen2.source();
+        src2.reconcile(CancellationToken::new()).await.unwrap();
+        for a in claim_all(&src2).await {
+            a.run(CancellationToken::new()).await.unwrap();
+        }
+        assert_eq!(run_counts(&t.db).await, (1, 1), "{d}");
+        assert!(gen1.take_ownership("old").await.is_err(), "{d}");
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_operations_blocked_on_a_lock_commit_nothing_when_cancelled() {
+    for d in DIALECTS {
+        let Some((t, flow)) = flow_on(d, "blocked", FlowOptions::default()).await else {
+            continue;
+        };
+        let mut s = NewSchedule::new("blocked", "tick", every(60), MisfirePolicy::FireOnce);
+        s.start_at = Some(SystemTime::now() - Duration::from_secs(1));
+        flow.create(s).await.unwrap();
+        let src = flow.source();
+        // Another connection holds the fence row, which every claim and reconciliation takes
+        // (SQLite: the write lock).
+        let mut holder = t.db.begin_write().await.unwrap();
+        nexuscrm_persistence::sqlx::query("UPDATE runtime_work_fence SET generation = generation")
+            .execute(holder.conn())
+            .await
+            .unwrap();
+        for op in ["reconcile", "claim"] {
+            let cancel = CancellationToken::new();
+            let c2 = cancel.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                c2.cancel();
+            });
+            let started = std::time::Instant::now();
+            let err = match op {
+                "reconcile" => src.reconcile(cancel).await.unwrap_err(),
+                _ => src
+                    .claim(NonZeroUsize::new(1).unwrap(), cancel)
+                    .await
+                    .unwrap_err(),
+            };
+            assert!(err.is_not_committed(), "{d} {op}: {err}");
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "{d} {op} returned promptly"
+            );
+        }
+        holder.rollback().await;
+        // The domain proof that nothing committed: the schedule is not leased, no run exists,
+        // and a fresh claim takes it at once.
+        let o = flow.observations().await.unwrap();
+        assert_eq!((o.active, o.leased, o.runs), (1, 0, 0), "{d}");
+        assert_eq!(claim_all(&src).await.len(), 1, "{d}");
+        t.drop_database().await;
+    }
+}
