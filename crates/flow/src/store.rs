@@ -555,6 +555,13 @@ impl Flow {
         Ok(())
     }
 
+    /// Drops this handle's generation change stream as a reconnect would (see
+    /// [`GenerationProbe::interrupt`](nexuscrm_persistence::GenerationProbe::interrupt)): its
+    /// controller records a generation loss and reconciles.
+    pub fn interrupt_generation_probe(&self) {
+        self.inner.probe.interrupt();
+    }
+
     /// The database.
     #[must_use]
     pub fn db(&self) -> &Db {

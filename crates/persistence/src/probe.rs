@@ -16,7 +16,8 @@ use crate::{Db, Dialect};
 pub enum ProbeError {
     /// The caller's cancellation fired first.
     Cancelled,
-    /// The LISTEN connection was lost: notifications may have been missed.
+    /// The change stream was lost (the LISTEN connection dropped, or
+    /// [`GenerationProbe::interrupt`]): changes may have been missed.
     Lost(String),
     /// Reading the cursor failed.
     Read(sqlx::Error),
@@ -26,7 +27,7 @@ impl fmt::Display for ProbeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ProbeError::Cancelled => f.write_str("cancelled"),
-            ProbeError::Lost(why) => write!(f, "the LISTEN connection was lost: {why}"),
+            ProbeError::Lost(why) => write!(f, "the change stream was lost: {why}"),
             ProbeError::Read(e) => write!(f, "reading the generation cursor failed: {e}"),
         }
     }
@@ -41,6 +42,8 @@ pub struct GenerationProbe {
     poll: Option<Duration>,
     url: String,
     listener: tokio::sync::Mutex<Option<PgListener>>,
+    interrupted: std::sync::atomic::AtomicBool,
+    wake: tokio::sync::Notify,
 }
 
 impl fmt::Debug for GenerationProbe {
@@ -64,6 +67,29 @@ impl GenerationProbe {
             poll,
             url: db.connect_url().to_owned(),
             listener: tokio::sync::Mutex::new(None),
+            interrupted: std::sync::atomic::AtomicBool::new(false),
+            wake: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Drops the current change stream as a reconnect would: the waiting (or next)
+    /// [`changed`](Self::changed) returns [`ProbeError::Lost`], so the controller records a
+    /// generation loss and reconciles. For operators forcing a resync, and for tests that must
+    /// lose the polled probe (which has no connection to kill).
+    pub fn interrupt(&self) {
+        self.interrupted
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.wake.notify_waiters();
+    }
+
+    fn take_interrupt(&self) -> Result<(), ProbeError> {
+        if self
+            .interrupted
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            Err(ProbeError::Lost("interrupted".into()))
+        } else {
+            Ok(())
         }
     }
 
@@ -139,6 +165,8 @@ impl GenerationProbe {
     {
         if self.listen {
             loop {
+                let interrupted = self.wake.notified();
+                self.take_interrupt()?;
                 let mut guard = self.listener.lock().await;
                 let Some(listener) = guard.as_mut() else {
                     return Err(ProbeError::Lost("not listening".into()));
@@ -147,6 +175,11 @@ impl GenerationProbe {
                 let received = tokio::select! {
                     biased;
                     () = cancel.cancelled() => return Ok(seen),
+                    () = interrupted => {
+                        *guard = None;
+                        self.interrupted.store(false, std::sync::atomic::Ordering::SeqCst);
+                        return Err(ProbeError::Lost("interrupted".into()));
+                    }
                     r = listener.try_recv() => r,
                 };
                 match received {
@@ -170,9 +203,15 @@ impl GenerationProbe {
         }
         let every = self.poll.unwrap_or(Duration::from_secs(5));
         loop {
+            let interrupted = self.wake.notified();
+            self.take_interrupt()?;
             tokio::select! {
                 biased;
                 () = cancel.cancelled() => return Ok(seen),
+                () = interrupted => {
+                    self.interrupted.store(false, std::sync::atomic::Ordering::SeqCst);
+                    return Err(ProbeError::Lost("interrupted".into()));
+                }
                 () = tokio::time::sleep(every) => {}
             }
             let now = read().await.map_err(ProbeError::Read)?;

@@ -7,10 +7,13 @@
 //!    exact fixture (the first worker gets a [`Faults`] hook armed at the point, the second an
 //!    unarmed one), and requires two distinct workers (`Arc::ptr_eq` false) that are both bound
 //!    to that fixture ([`CrashFamily::worker_fixture`]).
-//! 2. **crash**: runs [`CrashFamily::crash`] with the first worker. The moment the armed point
-//!    fires, every task the callback spawned through its [`CrashContext`] and the callback itself
-//!    are aborted, as a killed process would be. A callback that finishes without reaching the
-//!    point fails the cell, naming the point.
+//! 2. **crash**: runs [`CrashFamily::crash`] with the first worker, on a runtime of its own (the
+//!    first worker is also built there). The moment the armed point fires, the callback and
+//!    every task it spawned through its [`CrashContext`] are aborted, and then the crash runtime
+//!    is shut down, so tasks spawned any other way (plain `tokio::spawn`) die too, as in a killed
+//!    process: nothing of the crashed worker runs during restart. A callback that finishes
+//!    without reaching the point fails the cell, naming the point; so does a callback that
+//!    returns a [`Crash`] while the hook the matrix armed never fired (a forged crash).
 //! 3. **restart**: runs [`CrashFamily::restart`] with the second worker (restart and drain).
 //! 4. **recover**: runs [`CrashFamily::recover`] with the same fixture: the domain's own
 //!    assertion on persisted state.
@@ -357,18 +360,22 @@ impl<F: CrashFamily> CrashMatrix<F> {
             failure: None,
             timings: Vec::new(),
         };
-        let rt = match tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-        {
-            Ok(rt) => rt,
-            Err(e) => {
+        let build = || {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+        };
+        // The crashed "process" gets a runtime of its own: shutting it down after the crash
+        // ends every task it spawned, however it spawned them.
+        let (rt, crash_rt) = match (build(), build()) {
+            (Ok(rt), Ok(crash_rt)) => (rt, crash_rt),
+            (Err(e), _) | (_, Err(e)) => {
                 cell.failure = Some((Phase::Construct, format!("cannot build a runtime: {e}")));
                 return cell;
             }
         };
-        let result = self.phases(&rt, point, &mut cell);
+        let result = self.phases(&rt, crash_rt, point, &mut cell);
         if let Err(failure) = result {
             cell.failure = Some(failure);
         }
@@ -380,6 +387,7 @@ impl<F: CrashFamily> CrashMatrix<F> {
     fn phases(
         &self,
         rt: &tokio::runtime::Runtime,
+        crash_rt: tokio::runtime::Runtime,
         point: CrashPoint,
         cell: &mut Cell,
     ) -> Result<(), (Phase, String)> {
@@ -387,24 +395,41 @@ impl<F: CrashFamily> CrashMatrix<F> {
         let crash_faults = Faults::new();
         let restart_faults = Faults::new();
 
-        // 1. Construct.
-        let (cf, rf) = (crash_faults.clone(), restart_faults.clone());
-        let (fixture, first, second) = timed(
+        // 1. Construct, in this order: the fixture, the worker that will crash (on the crash
+        // runtime, so its pools and tasks die with it), the restart worker.
+        let fixture = timed(
             cell,
             Phase::Construct,
             rt,
             self.deadlines.construct,
             async move {
-                let fixture = Arc::new(fam.fixture().await.map_err(|e| format!("fixture: {e}"))?);
-                let first = fam
-                    .new_worker(&fixture, cf)
+                Ok(Arc::new(
+                    fam.fixture().await.map_err(|e| format!("fixture: {e}"))?,
+                ))
+            },
+        )?;
+        let (fam, cf, fx) = (self.family.clone(), crash_faults.clone(), fixture.clone());
+        let first = timed(
+            cell,
+            Phase::Construct,
+            &crash_rt,
+            self.deadlines.construct,
+            async move {
+                fam.new_worker(&fx, cf)
                     .await
-                    .map_err(|e| format!("new_worker (first): {e}"))?;
-                let second = fam
-                    .new_worker(&fixture, rf)
+                    .map_err(|e| format!("new_worker (first): {e}"))
+            },
+        )?;
+        let (fam, rf, fx) = (self.family.clone(), restart_faults.clone(), fixture.clone());
+        let second = timed(
+            cell,
+            Phase::Construct,
+            rt,
+            self.deadlines.construct,
+            async move {
+                fam.new_worker(&fx, rf)
                     .await
-                    .map_err(|e| format!("new_worker (second): {e}"))?;
-                Ok::<_, String>((fixture, first, second))
+                    .map_err(|e| format!("new_worker (second): {e}"))
             },
         )?;
         if Arc::ptr_eq(&first, &second) {
@@ -428,39 +453,62 @@ impl<F: CrashFamily> CrashMatrix<F> {
         let ctx = CrashContext::new(crash_faults.clone());
         let watch = crash_faults.clone();
         let crash_ctx = ctx.clone();
-        let outcome = timed(cell, Phase::Crash, rt, self.deadlines.crash, async move {
-            let mut task = tokio::spawn({
-                let ctx = crash_ctx.clone();
-                async move { fam.crash(point, first, ctx).await }
-            });
-            tokio::select! {
-                fired = watch.crashed() => {
-                    // Kill the "process": the callback and everything it spawned.
-                    task.abort();
-                    crash_ctx.kill();
-                    Ok(Some(fired))
-                }
-                done = &mut task => {
-                    crash_ctx.kill();
-                    match done {
-                        Ok(Ok(())) => Ok(None),
-                        Ok(Err(e)) => match Crash::find(&*e) {
-                            Some(c) => Ok(Some(c.point())),
-                            None => Err(format!("the crash callback failed: {e}")),
-                        },
-                        Err(e) if e.is_panic() => Err(format!(
-                            "the crash callback panicked: {}",
-                            panic_text(e.into_panic())
-                        )),
-                        Err(e) => Err(format!("the crash callback was cancelled: {e}")),
+        let outcome = timed(
+            cell,
+            Phase::Crash,
+            &crash_rt,
+            self.deadlines.crash,
+            async move {
+                let mut task = tokio::spawn({
+                    let ctx = crash_ctx.clone();
+                    async move { fam.crash(point, first, ctx).await }
+                });
+                tokio::select! {
+                    fired = watch.crashed() => {
+                        // Kill the "process": the callback and everything it spawned.
+                        task.abort();
+                        crash_ctx.kill();
+                        Ok(Some(fired))
+                    }
+                    done = &mut task => {
+                        crash_ctx.kill();
+                        match done {
+                            Ok(Ok(())) => Ok(None),
+                            Ok(Err(e)) => match Crash::find(&*e) {
+                                Some(c) => Ok(Some(c.point())),
+                                None => Err(format!("the crash callback failed: {e}")),
+                            },
+                            Err(e) if e.is_panic() => Err(format!(
+                                "the crash callback panicked: {}",
+                                panic_text(e.into_panic())
+                            )),
+                            Err(e) => Err(format!("the crash callback was cancelled: {e}")),
+                        }
                     }
                 }
-            }
-        });
+            },
+        );
         if outcome.is_err() {
             ctx.kill();
         }
-        match outcome? {
+        // The crash ends the process: every task on its runtime, including any the callback
+        // spawned with plain `tokio::spawn` instead of `CrashContext::spawn`, is dropped before
+        // the restart begins (bounded, so a thread stuck in blocking code cannot hang us).
+        crash_rt.shutdown_timeout(self.deadlines.crash);
+        let outcome = outcome?;
+        // The crash must be the one the matrix armed: an error that merely carries a `Crash`
+        // (from a private hook of the adapter's) while the armed hook never fired is forged.
+        if outcome.is_some() && crash_faults.fired() != Some(point) {
+            return Err((
+                Phase::Crash,
+                format!(
+                    "the crash callback reported a crash, but the hook the matrix armed at {point} \
+                     never fired (fired: {:?}): the crash did not happen where the matrix put it",
+                    crash_faults.fired()
+                ),
+            ));
+        }
+        match outcome {
             Some(p) if p == point => {}
             Some(p) => {
                 return Err((

@@ -189,16 +189,19 @@ impl MemoryWorker {
     ///
     /// A newer generation owns the family, or an injected crash.
     pub fn take_ownership(&self) -> Result<(), BoxError> {
-        self.faults.hit(CrashPoint::OwnershipTransfer)?;
-        let mut s = self.store.lock();
-        if s.owner > self.generation {
-            return Err(format!(
-                "generation {} cannot take ownership back from {}",
-                self.generation, s.owner
-            )
-            .into());
+        {
+            let mut s = self.store.lock();
+            if s.owner > self.generation {
+                return Err(format!(
+                    "generation {} cannot take ownership back from {}",
+                    self.generation, s.owner
+                )
+                .into());
+            }
+            s.owner = self.generation;
         }
-        s.owner = self.generation;
+        // The transfer is half done: the new owner is recorded, nothing claimed yet.
+        self.faults.hit(CrashPoint::OwnershipTransfer)?;
         Ok(())
     }
 

@@ -1,5 +1,6 @@
 //! The crash matrix accepts an honest adapter and rejects every cheat with a clear message.
 
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,6 +18,10 @@ enum Cheat {
     HangsAsync,
     HangsBlocking,
     RecoveryPanics,
+    /// Returns a `Crash` from a private hook of its own; the armed hook never fires.
+    ForgesCrash,
+    /// Spawns a writer with plain `tokio::spawn` that keeps writing after the crash.
+    SpawnsSurvivor,
 }
 
 /// The honest memory family, with one cheat switched on.
@@ -24,6 +29,9 @@ struct Cheating {
     inner: MemoryFamily,
     cheat: Cheat,
     reused: Mutex<Option<Arc<MemoryWorker>>>,
+    /// Writes made by the crashed worker's stray task, and their count when restart began.
+    ghost_writes: Arc<AtomicU64>,
+    at_restart: AtomicU64,
 }
 
 impl Cheating {
@@ -32,6 +40,8 @@ impl Cheating {
             inner: MemoryFamily::default(),
             cheat,
             reused: Mutex::new(None),
+            ghost_writes: Arc::default(),
+            at_restart: AtomicU64::new(0),
         }
     }
 }
@@ -93,6 +103,23 @@ impl CrashFamily for Cheating {
                 std::thread::sleep(Duration::from_secs(20));
                 Ok(())
             }
+            Cheat::ForgesCrash => {
+                let private = Faults::new();
+                private.arm(point);
+                Err(Box::new(private.hit(point).unwrap_err()))
+            }
+            Cheat::SpawnsSurvivor => {
+                let ghost = self.ghost_writes.clone();
+                // Not through `ctx.spawn`: the matrix must still end it with the crash.
+                tokio::spawn(async move {
+                    loop {
+                        ghost.fetch_add(1, SeqCst);
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                });
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                self.inner.crash(point, worker, ctx).await
+            }
             _ => self.inner.crash(point, worker, ctx).await,
         }
     }
@@ -103,12 +130,27 @@ impl CrashFamily for Cheating {
         worker: Arc<MemoryWorker>,
         ctx: CrashContext,
     ) -> Result<(), BoxError> {
+        if self.cheat == Cheat::SpawnsSurvivor {
+            self.at_restart
+                .store(self.ghost_writes.load(SeqCst), SeqCst);
+            // Give a surviving writer time to show itself.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         self.inner.restart(point, worker, ctx).await
     }
 
     async fn recover(&self, point: CrashPoint, fixture: Arc<MemoryStore>) -> Result<(), BoxError> {
         if self.cheat == Cheat::RecoveryPanics {
             panic!("recovery assertion exploded");
+        }
+        if self.cheat == Cheat::SpawnsSurvivor {
+            let (then, now) = (self.at_restart.load(SeqCst), self.ghost_writes.load(SeqCst));
+            if then == 0 || now != then {
+                return Err(format!(
+                    "the crashed worker's task kept writing after the crash ({then} -> {now})"
+                )
+                .into());
+            }
         }
         self.inner.recover(point, fixture).await
     }
@@ -269,4 +311,21 @@ fn a_non_durable_declaration_is_not_a_crash_matrix_subject() {
     let report = CrashMatrix::new(Derived(Cheating::new(Cheat::Honest))).run();
     assert!(!report.passed());
     assert!(report.invalid.unwrap().contains("not durable-critical"));
+}
+
+#[test]
+fn a_forged_crash_from_a_private_hook_is_rejected() {
+    let (phase, why) = one_cell(Cheat::ForgesCrash);
+    assert_eq!(phase, Phase::Crash);
+    assert!(why.contains("never fired"), "{why}");
+}
+
+#[test]
+fn a_task_spawned_by_the_crashed_worker_dies_with_it() {
+    let report = CrashMatrix::new(Cheating::new(Cheat::SpawnsSurvivor))
+        .filter(None)
+        .deadlines(short())
+        .run_points(&[CrashPoint::AfterClaim, CrashPoint::AfterDisposition]);
+    // The stray writer ran before the crash and wrote nothing after it.
+    report.assert_passed();
 }
