@@ -13,6 +13,10 @@
 //!   coalescing, exact-due scheduling, capacity and continuation, attempt error and panic
 //!   shutdown, graceful drain, shutdown-timeout fail-stop, generation change and loss, snapshot
 //!   accounting.
+//! - [`harness`]: the proof shapes for `derived-reconcilable / convergent`
+//!   ([`harness::ConvergenceHarness`]: a fresh worker converges after a crash at any point) and
+//!   `best-effort / loss-tolerant` ([`harness::LossHarness`]: every loss counted and reported,
+//!   never a claim of completeness after one).
 //! - [`ScriptedSource`] ([`scripted`]): a scripted, recording Source for controller tests on a
 //!   paused clock, with [`assert_calls!`] for exact call budgets and [`PausedClock`].
 //! - [`memory`]: a complete reference family (in-memory store, real controller, faults at every
@@ -45,6 +49,7 @@
 #![forbid(unsafe_code)]
 
 pub mod clock;
+pub mod harness;
 pub mod matrix;
 pub mod memory;
 pub mod scenarios;
