@@ -138,6 +138,8 @@ pub(crate) struct Claimed {
     cursor: i64,
     total: i64,
     segment_size: i64,
+    /// Consecutive claims without a committed segment, this one included.
+    stalled: i64,
 }
 
 fn decode_claimed(r: &sqlx::any::AnyRow) -> Result<Claimed, sqlx::Error> {
@@ -148,6 +150,7 @@ fn decode_claimed(r: &sqlx::any::AnyRow) -> Result<Claimed, sqlx::Error> {
         cursor: r.try_get(3)?,
         total: r.try_get(4)?,
         segment_size: r.try_get(5)?,
+        stalled: r.try_get(6)?,
     })
 }
 
@@ -408,6 +411,7 @@ impl BulkAttempt {
                         .bind(state)
                         .bind(run_at)
                         .bind(i64::from(refund))
+                        .bind(i64::from(refund))
                         .bind(error)
                         .bind(now)
                         .bind(id)
@@ -418,7 +422,16 @@ impl BulkAttempt {
                 })
             })
             .await
-            .map_err(|e| AttemptError::new(format!("releasing bulk job {id} failed: {e}")))?;
+            .map_err(|e| {
+                let message = format!("releasing bulk job {id} failed: {e}");
+                // Proven not committed: the lease still holds the job and returns it when it
+                // ends; nothing is ambiguous, so the controller need not be replaced.
+                if e.is_not_committed() {
+                    AttemptError::not_committed(message)
+                } else {
+                    AttemptError::new(message)
+                }
+            })?;
         // The schedule changed (the job is claimable now or at its backoff): attempt completion
         // alone never causes a claim, so offer the controller a claim turn.
         if let Some(w) = inner.waker.get() {
@@ -560,7 +573,7 @@ impl BulkAttempt {
 
     fn backoff(&self) -> Duration {
         let cfg = &self.bulk.inner.cfg;
-        let exp = (self.job.attempts.max(1) - 1).min(20) as u32;
+        let exp = (self.job.stalled.max(1) - 1).min(20) as u32;
         cfg.backoff_base
             .saturating_mul(2u32.saturating_pow(exp))
             .min(cfg.backoff_max)
@@ -570,18 +583,20 @@ impl BulkAttempt {
 impl Attempt for BulkAttempt {
     async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
         let faults = self.bulk.inner.faults.clone();
-        if self.job.attempts > self.job.max_attempts {
+        if self.job.stalled > self.job.max_attempts {
+            // Every earlier claim in a row ended without committing a segment (its worker
+            // died, or the lease ran out): this work cannot make progress.
             let reason = format!(
-                "poisoned after {} claims (max {}): the job never reached a disposition",
-                self.job.attempts - 1,
+                "poisoned after {} consecutive claims without progress (max {}); \
+                 the job never committed a segment in them",
+                self.job.stalled - 1,
                 self.job.max_attempts
             );
-            return self
-                .release("poisoned", Duration::ZERO, false, Some(reason))
-                .await;
+            return self.poison(reason).await;
         }
         faults.hit(CrashPoint::BeforeEffect).map_err(crash)?;
         let mut cursor = self.job.cursor;
+        let mut progressed = false;
         let mut first = true;
         loop {
             if cancel.is_cancelled() {
@@ -595,7 +610,11 @@ impl Attempt for BulkAttempt {
                         faults.hit(CrashPoint::LeaseExpiry).map_err(crash)?;
                         return Ok(()); // Lost the lease: the new holder owns the job.
                     }
-                    Err(e) => return self.transient(format!("heartbeat failed: {e}")).await,
+                    Err(e) => {
+                        return self
+                            .transient(format!("heartbeat failed: {e}"), progressed)
+                            .await;
+                    }
                 }
             }
             first = false;
@@ -611,6 +630,7 @@ impl Attempt for BulkAttempt {
                 }
                 Ok(Segment::Progress { cursor: next, done }) => {
                     cursor = next;
+                    progressed = true;
                     faults.hit(CrashPoint::AfterEffect).map_err(crash)?;
                     if done {
                         faults.hit(CrashPoint::AfterDisposition).map_err(crash)?;
@@ -621,26 +641,46 @@ impl Attempt for BulkAttempt {
                     return self.release("pending", Duration::ZERO, true, None).await;
                 }
                 Err(WriteError::NotCommitted(sqlx::Error::RowNotFound)) => return Ok(()),
-                Err(e) => return self.transient(format!("segment failed: {e}")).await,
+                Err(e) => {
+                    return self
+                        .transient(format!("segment failed: {e}"), progressed)
+                        .await;
+                }
             }
         }
     }
 }
 
 impl BulkAttempt {
-    /// A transient failure: retry later with backoff, or poison after the last attempt. If even
-    /// that cannot be written, fail stop (the lease will return the job).
-    async fn transient(&self, error: String) -> Result<(), AttemptError> {
-        if self.job.attempts >= self.job.max_attempts {
+    /// A transient failure: retry later with backoff, or poison when this claim is the last of
+    /// `max_attempts` in a row without progress (a claim that committed a segment never
+    /// poisons). If even that cannot be written, fail stop (the lease will return the job).
+    async fn transient(&self, error: String, progressed: bool) -> Result<(), AttemptError> {
+        if !progressed && self.job.stalled >= self.job.max_attempts {
             let reason = format!(
-                "poisoned after {} attempts; last error: {error}",
-                self.job.attempts
+                "poisoned after {} consecutive claims without progress; last error: {error}",
+                self.job.stalled
             );
-            self.release("poisoned", Duration::ZERO, false, Some(reason))
-                .await
+            self.poison(reason).await
         } else {
             self.release("pending", self.backoff(), false, Some(error))
                 .await
         }
+    }
+
+    /// Poisons the job with `reason`, logged at WARN: an operator's `bulk retry` undoes it.
+    async fn poison(&self, reason: String) -> Result<(), AttemptError> {
+        self.release("poisoned", Duration::ZERO, false, Some(reason.clone()))
+            .await?;
+        tracing::warn!(
+            job = self.job.id,
+            claims = self.job.attempts,
+            cursor = self.job.cursor,
+            total = self.job.total,
+            reason = %reason,
+            "bulk job poisoned; `bulk retry {}` runs it again once the cause is fixed",
+            self.job.id
+        );
+        Ok(())
     }
 }

@@ -17,13 +17,22 @@ use tokio_util::sync::CancellationToken;
 use crate::FAMILY;
 
 /// The Bulk family's migrations.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "bulk jobs, inputs, records and change log",
-    sqlite: include_str!("../sql/sqlite/0001_bulk.sql"),
-    postgres: include_str!("../sql/postgres/0001_bulk.sql"),
-    mysql: include_str!("../sql/mysql/0001_bulk.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "bulk jobs, inputs, records and change log",
+        sqlite: include_str!("../sql/sqlite/0001_bulk.sql"),
+        postgres: include_str!("../sql/postgres/0001_bulk.sql"),
+        mysql: include_str!("../sql/mysql/0001_bulk.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "claims without progress; byte-exact utf8mb4 keys (MySQL dialect)",
+        sqlite: include_str!("../sql/sqlite/0002_bulk.sql"),
+        postgres: include_str!("../sql/postgres/0002_bulk.sql"),
+        mysql: include_str!("../sql/mysql/0002_bulk.sql"),
+    },
+];
 
 pub(crate) fn queries(dialect: Dialect) -> &'static Queries {
     static Q: OnceLock<DialectQueries> = OnceLock::new();
@@ -212,11 +221,24 @@ pub enum BulkErrorKind {
     OutcomeUnknown,
     /// An injected crash.
     Crashed,
+    /// No such job.
+    NotFound,
+    /// The request contradicts the stored state (an idempotency key reused for other content,
+    /// a retry of a job that is not poisoned); nothing was changed.
+    Conflict,
     /// Any other database error.
     Database,
 }
 
 impl BulkError {
+    fn new(kind: BulkErrorKind, message: impl Into<String>) -> Self {
+        BulkError {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
     fn invalid(message: impl Into<String>) -> Self {
         BulkError {
             kind: BulkErrorKind::Invalid,
@@ -300,6 +322,10 @@ pub struct JobStatus {
     pub rejected_rows: i64,
     /// The last transient error or the poison reason.
     pub last_error: Option<String>,
+    /// Consecutive claims without a committed segment: poison counts these against
+    /// `max_attempts`, so a job that makes progress on every claim is never poisoned by the
+    /// crashes of its workers. A committed segment resets it; so does [`Bulk::retry`].
+    pub stalled_claims: i64,
 }
 
 impl JobStatus {
@@ -633,6 +659,64 @@ impl Bulk {
         Ok(submitted)
     }
 
+    /// Returns a poisoned job to `pending` at once, with a fresh count of claims without
+    /// progress: an explicit operator decision ("the cause is fixed, run it again"), logged at
+    /// WARN with the poison reason it clears. Its cursor, applied rows and attempts stay: rows
+    /// already applied are never applied again.
+    ///
+    /// # Errors
+    ///
+    /// [`BulkErrorKind::NotFound`] for an unknown job, [`BulkErrorKind::Conflict`] for a job
+    /// that is not poisoned (nothing is changed), or a database error.
+    pub async fn retry(&self, job: JobId) -> Result<JobStatus, BulkError> {
+        let inner = &self.inner;
+        let before = self
+            .status(job)
+            .await?
+            .ok_or_else(|| BulkError::new(BulkErrorKind::NotFound, format!("no bulk job {job}")))?;
+        if before.state != "poisoned" {
+            return Err(BulkError::new(
+                BulkErrorKind::Conflict,
+                format!(
+                    "bulk job {job} is {}, not poisoned: only a poisoned job can be retried",
+                    before.state
+                ),
+            ));
+        }
+        let q = queries(inner.db.dialect());
+        let now = to_ms(inner.clock.now());
+        let retry = sqlx::query(q.get("retry")).bind(now);
+        let retry = if inner.db.dialect() == Dialect::Postgres {
+            retry
+        } else {
+            retry.bind(now)
+        };
+        let done = retry
+            .bind(job.0)
+            .execute(inner.db.pool())
+            .await
+            .map_err(|e| BulkError::db("retrying the job", e))?;
+        if done.rows_affected() != 1 {
+            return Err(BulkError::new(
+                BulkErrorKind::Conflict,
+                format!("bulk job {job} changed state meanwhile; nothing was retried"),
+            ));
+        }
+        tracing::warn!(
+            job = job.0,
+            key = %before.idempotency_key,
+            cleared = before.last_error.as_deref().unwrap_or(""),
+            "bulk job retried by an operator"
+        );
+        if let Some(w) = inner.waker.get() {
+            w.wake();
+        }
+        inner.probe.notify(&inner.db).await;
+        self.status(job)
+            .await?
+            .ok_or_else(|| BulkError::new(BulkErrorKind::NotFound, format!("no bulk job {job}")))
+    }
+
     /// One job's status.
     ///
     /// # Errors
@@ -737,6 +821,7 @@ fn decode_status(r: &sqlx::any::AnyRow) -> Result<JobStatus, sqlx::Error> {
         applied_rows: r.try_get(7)?,
         rejected_rows: r.try_get(8)?,
         last_error: Some(text(r, 9)?).filter(|e| !e.is_empty()),
+        stalled_claims: r.try_get(11)?,
     })
 }
 

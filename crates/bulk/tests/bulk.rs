@@ -581,3 +581,271 @@ async fn stored_fields_that_do_not_parse_are_rejected_with_a_reason_never_applie
         t.drop_database().await;
     }
 }
+
+/// One claim by a fresh worker (its own handle and fault hooks) at the clock's time, run to its
+/// end or to the armed crash. Returns whether it crashed.
+async fn one_worker_life(
+    t: &TestDb,
+    clock: &Arc<nexuscrm_worker_test::ManualClock>,
+    max_attempts: u32,
+    crash_at: Option<nexuscrm_worker::fault::CrashPoint>,
+) -> bool {
+    let faults = nexuscrm_worker::fault::Faults::new();
+    if let Some(p) = crash_at {
+        faults.arm(p);
+    }
+    let bulk = Bulk::without_migrations(
+        t.db.clone(),
+        1,
+        BulkOptions::default()
+            .config(test_config().default_max_attempts(max_attempts))
+            .clock(clock.clone())
+            .faults(faults.clone()),
+    );
+    let batch = bulk
+        .source()
+        .claim(NonZeroUsize::new(1).unwrap(), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut crashed = false;
+    for a in batch.into_parts().0 {
+        crashed |= a.run(CancellationToken::new()).await.is_err();
+    }
+    crashed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_progresses_on_every_claim_is_never_poisoned_by_worker_crashes() {
+    use nexuscrm_worker::fault::CrashPoint;
+    use nexuscrm_worker_test::ManualClock;
+    for d in DIALECTS {
+        let Some(t) = TestDb::create(d, "progress").await else {
+            continue;
+        };
+        let clock = ManualClock::at(std::time::SystemTime::now());
+        let lease = Duration::from_secs(10);
+        let bulk = Bulk::open(
+            t.db.clone(),
+            1,
+            BulkOptions::default()
+                .config(test_config().lease(lease).default_max_attempts(3))
+                .clock(clock.clone()),
+        )
+        .await
+        .unwrap();
+        bulk.take_ownership("test").await.unwrap();
+        let id = bulk.submit(job(0, 10, 1)).await.unwrap().job;
+        // Eight workers in a row (more than max_attempts) each commit one segment and die.
+        for life in 1..=8 {
+            assert!(
+                one_worker_life(&t, &clock, 3, Some(CrashPoint::AfterEffect)).await,
+                "{d}: life {life} crashed"
+            );
+            let s = bulk.status(id).await.unwrap().unwrap();
+            assert_eq!(s.state, "running", "{d}: life {life}: {s:?}");
+            assert_eq!(s.cursor, life, "{d}: the cursor moved on every claim");
+            assert_eq!(
+                s.stalled_claims, 0,
+                "{d}: a committed segment resets the count"
+            );
+            assert_eq!(s.attempts, life, "{d}: every claim is still counted");
+            clock.advance(lease + Duration::from_secs(1));
+        }
+        assert!(!one_worker_life(&t, &clock, 3, None).await);
+        let s = bulk.status(id).await.unwrap().unwrap();
+        assert_eq!(s.state, "succeeded", "{d}: {s:?}");
+        assert_eq!(
+            applied(&t.db).await,
+            Applied {
+                changes: 10,
+                duplicated: 0,
+                revision_mismatches: 0
+            },
+            "{d}"
+        );
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_workers_always_die_before_progress_is_poisoned_and_an_operator_retries_it() {
+    use nexuscrm_worker::fault::CrashPoint;
+    use nexuscrm_worker_test::ManualClock;
+    for d in DIALECTS {
+        let Some(t) = TestDb::create(d, "stalled").await else {
+            continue;
+        };
+        let clock = ManualClock::at(std::time::SystemTime::now());
+        let lease = Duration::from_secs(10);
+        let bulk = Bulk::open(
+            t.db.clone(),
+            1,
+            BulkOptions::default()
+                .config(test_config().lease(lease).default_max_attempts(3))
+                .clock(clock.clone()),
+        )
+        .await
+        .unwrap();
+        bulk.take_ownership("test").await.unwrap();
+        let id = bulk.submit(job(0, 4, 2)).await.unwrap().job;
+        // One segment commits, then three workers in a row die before their first commit.
+        assert!(one_worker_life(&t, &clock, 3, Some(CrashPoint::AfterEffect)).await);
+        clock.advance(lease + Duration::from_secs(1));
+        for life in 1..=3 {
+            assert!(one_worker_life(&t, &clock, 3, Some(CrashPoint::BeforeEffect)).await);
+            let s = bulk.status(id).await.unwrap().unwrap();
+            assert_eq!(
+                (s.state.as_str(), s.stalled_claims),
+                ("running", life),
+                "{d}"
+            );
+            clock.advance(lease + Duration::from_secs(1));
+        }
+        // The fourth claim in a row without progress poisons it, with the reason.
+        assert!(!one_worker_life(&t, &clock, 3, None).await);
+        let s = bulk.status(id).await.unwrap().unwrap();
+        assert_eq!(s.state, "poisoned", "{d}: {s:?}");
+        let reason = s.last_error.clone().unwrap_or_default();
+        assert!(
+            reason.contains("3 consecutive claims without progress"),
+            "{d}: {reason}"
+        );
+        assert_eq!(s.cursor, 2, "{d}: the committed segment stays");
+        // Resubmitting the same key returns the poisoned job; only a retry runs it again.
+        let again = bulk.submit(job(0, 4, 2)).await.unwrap();
+        assert!(!again.created);
+        assert_eq!(bulk.status(id).await.unwrap().unwrap().state, "poisoned");
+        let retried = bulk.retry(id).await.unwrap();
+        assert_eq!(
+            (
+                retried.state.as_str(),
+                retried.stalled_claims,
+                retried.last_error
+            ),
+            ("pending", 0, None),
+            "{d}"
+        );
+        assert!(!one_worker_life(&t, &clock, 3, None).await);
+        let s = bulk.status(id).await.unwrap().unwrap();
+        assert_eq!(s.state, "succeeded", "{d}: {s:?}");
+        assert_eq!(applied(&t.db).await.changes, 4, "{d}: no row applied twice");
+        // A retry of a job that is not poisoned, or of no job, changes nothing.
+        let e = bulk.retry(id).await.unwrap_err();
+        assert_eq!(e.kind(), BulkErrorKind::Conflict, "{d}: {e}");
+        assert!(e.to_string().contains("succeeded, not poisoned"), "{e}");
+        let e = bulk.retry(nexuscrm_bulk::JobId(999_999)).await.unwrap_err();
+        assert_eq!(e.kind(), BulkErrorKind::NotFound, "{d}: {e}");
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_byte_exact_unicode_even_on_a_latin1_mariadb_database() {
+    let Some(t) =
+        TestDb::create_latin1_mysql("latin1", nexuscrm_persistence::DbOptions::default()).await
+    else {
+        return;
+    };
+    let bulk = Bulk::open(
+        t.db.clone(),
+        1,
+        BulkOptions::default().config(test_config()),
+    )
+    .await
+    .unwrap();
+    bulk.take_ownership("test").await.unwrap();
+    // Distinct keys under a byte-exact collation; the same record under a default one.
+    let keys = [
+        "acct-1",
+        "ACCT-1",
+        "acct-1 ",
+        "acct-\u{1F600}",
+        "acct-\u{1F601}",
+        "Å-ü-中",
+    ];
+    let rows = keys
+        .iter()
+        .map(|k| RowInput::new(*k, fields(0, 0)))
+        .collect::<Vec<_>>();
+    let mut j = NewJob::new("clé-\u{1F600}", rows);
+    j.segment_size = Some(100);
+    let id = bulk.submit(j).await.unwrap().job;
+    drain(&bulk, 1, &[id]).await;
+    let s = bulk.status(id).await.unwrap().unwrap();
+    assert_eq!(
+        (s.state.as_str(), s.applied_rows, s.rejected_rows),
+        ("succeeded", keys.len() as i64, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.idempotency_key, "clé-\u{1F600}");
+    let stored: Vec<String> = sqlx::query_scalar("SELECT record_key FROM crm_record")
+        .fetch_all(t.db.pool())
+        .await
+        .unwrap();
+    let mut want: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+    let mut got = stored.clone();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want, "every key stored once, byte for byte");
+    // Every table the families created pins utf8mb4 with a byte-exact, no-pad collation.
+    let bin = t.db.byte_exact_collation().await.unwrap();
+    assert_ne!(bin, "utf8mb4_bin", "MariaDB has a NO PAD binary collation");
+    let loose: Vec<(String, String)> = sqlx::query_as(
+        "SELECT CAST(TABLE_NAME AS CHAR), CAST(TABLE_COLLATION AS CHAR) FROM information_schema.TABLES \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_COLLATION <> ?",
+    )
+    .bind(bin)
+    .fetch_all(t.db.pool())
+    .await
+    .unwrap();
+    assert!(loose.is_empty(), "tables without utf8mb4_bin: {loose:?}");
+    let loose_columns: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() \
+         AND COLLATION_NAME IS NOT NULL AND COLLATION_NAME <> ?",
+    )
+    .bind(bin)
+    .fetch_one(t.db.pool())
+    .await
+    .unwrap();
+    assert_eq!(loose_columns, 0);
+    t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_cannot_reach_the_database_is_not_committed_not_fatal() {
+    for d in DIALECTS {
+        let options = nexuscrm_persistence::DbOptions::default()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_millis(300));
+        let Some(t) = TestDb::create_with(d, "release", options).await else {
+            continue;
+        };
+        let bulk = Bulk::open(
+            t.db.clone(),
+            1,
+            BulkOptions::default().config(test_config()),
+        )
+        .await
+        .unwrap();
+        bulk.take_ownership("test").await.unwrap();
+        let id = bulk.submit(job(0, 4, 2)).await.unwrap().job;
+        let batch = bulk
+            .source()
+            .claim(NonZeroUsize::new(1).unwrap(), CancellationToken::new())
+            .await
+            .unwrap();
+        let attempt = batch.into_parts().0.pop().expect("claimed");
+        // The only pooled connection is held elsewhere: the release times out waiting for it.
+        let held = t.db.pool().acquire().await.unwrap();
+        let cancelled = CancellationToken::new();
+        cancelled.cancel();
+        let err = attempt.run(cancelled).await.unwrap_err();
+        assert!(err.is_not_committed(), "{d}: {err}");
+        assert!(err.to_string().contains("releasing bulk job"), "{d}: {err}");
+        drop(held);
+        // The job is still leased to the claim (nothing committed), so it returns later.
+        let s = bulk.status(id).await.unwrap().unwrap();
+        assert_eq!((s.state.as_str(), s.cursor), ("running", 0), "{d}: {s:?}");
+        t.drop_database().await;
+    }
+}

@@ -419,9 +419,10 @@ impl FlowAttempt {
             })
             .await
             .map_err(|e| {
-                AttemptError::new(format!(
-                    "schedule {id}: {error}; deferring the claim failed too: {e}"
-                ))
+                attempt_error(
+                    format!("schedule {id}: {error}; deferring the claim failed too: {e}"),
+                    &e,
+                )
             })?;
         if let Some(w) = inner.waker.get() {
             w.wake();
@@ -452,11 +453,21 @@ impl FlowAttempt {
                 })
             })
             .await
-            .map_err(|e| AttemptError::new(format!("releasing schedule {id} failed: {e}")))?;
+            .map_err(|e| attempt_error(format!("releasing schedule {id} failed: {e}"), &e))?;
         if let Some(w) = inner.waker.get() {
             w.wake();
         }
         Ok(())
+    }
+}
+
+/// A disposition write that failed: proven not committed (the lease still holds the schedule
+/// and returns it when it ends; the controller need not be replaced), or unknown (fail stop).
+fn attempt_error(message: String, e: &WriteError) -> AttemptError {
+    if e.is_not_committed() {
+        AttemptError::not_committed(message)
+    } else {
+        AttemptError::new(message)
     }
 }
 

@@ -17,13 +17,22 @@ use crate::FAMILY;
 use crate::spec::{MisfirePolicy, Spec, Timing, timing};
 
 /// The Scheduled Flow family's migrations.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "flow schedules and runs",
-    sqlite: include_str!("../sql/sqlite/0001_flow.sql"),
-    postgres: include_str!("../sql/postgres/0001_flow.sql"),
-    mysql: include_str!("../sql/mysql/0001_flow.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "flow schedules and runs",
+        sqlite: include_str!("../sql/sqlite/0001_flow.sql"),
+        postgres: include_str!("../sql/postgres/0001_flow.sql"),
+        mysql: include_str!("../sql/mysql/0001_flow.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "byte-exact utf8mb4 keys (MySQL dialect; nothing elsewhere)",
+        sqlite: "",
+        postgres: "",
+        mysql: include_str!("../sql/mysql/0002_flow.sql"),
+    },
+];
 
 /// The PostgreSQL notification channel of the Scheduled Flow family.
 pub const CHANNEL: &str = "nexuscrm_flow";

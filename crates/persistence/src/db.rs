@@ -103,15 +103,97 @@ impl fmt::Debug for Db {
     }
 }
 
-fn redact(url: &str) -> String {
-    // Hide a password in `scheme://user:password@host`.
-    if let Some((scheme, rest)) = url.split_once("://")
-        && let Some((creds, host)) = rest.split_once('@')
-        && let Some((user, _)) = creds.split_once(':')
-    {
-        return format!("{scheme}://{user}:***@{host}");
+/// Query parameters whose value is a credential or names one (every driver's spelling).
+const SECRET_PARAMS: &[&str] = &[
+    "password",
+    "pass",
+    "passwd",
+    "pwd",
+    "sslpassword",
+    "passfile",
+    "sslkey",
+    "secret",
+    "token",
+    "auth_token",
+    "access_token",
+];
+
+/// `url` with every credential hidden: the password in `scheme://user:password@host`, and the
+/// value of every credential-bearing query parameter (`password`, `sslpassword`, `passfile`,
+/// `sslkey`, `token` and the like, in any case). Use it wherever a database URL is printed.
+///
+/// ```
+/// use nexuscrm_persistence::redact_url;
+/// assert_eq!(
+///     redact_url("postgres://u:S3cret@db/app?user=u&password=S3cret"),
+///     "postgres://u:***@db/app?user=u&password=***"
+/// );
+/// ```
+#[must_use]
+pub fn redact_url(url: &str) -> String {
+    let (body, fragment) = match url.split_once('#') {
+        Some((b, f)) => (b, Some(f)),
+        None => (url, None),
+    };
+    let (base, query) = match body.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (body, None),
+    };
+    let mut out = String::with_capacity(url.len());
+    match base.split_once("://") {
+        Some((scheme, rest)) => {
+            out.push_str(scheme);
+            out.push_str("://");
+            // The authority ends at the first '/'; its userinfo ends at its last '@'.
+            let (authority, path) = match rest.find('/') {
+                Some(i) => rest.split_at(i),
+                None => (rest, ""),
+            };
+            match authority.rsplit_once('@') {
+                Some((creds, host)) => {
+                    match creds.split_once(':') {
+                        Some((user, _)) => {
+                            out.push_str(user);
+                            out.push_str(":***");
+                        }
+                        None => out.push_str(creds),
+                    }
+                    out.push('@');
+                    out.push_str(host);
+                }
+                None => out.push_str(authority),
+            }
+            out.push_str(path);
+        }
+        None => out.push_str(base),
     }
-    url.to_owned()
+    if let Some(query) = query {
+        out.push('?');
+        for (i, pair) in query.split('&').enumerate() {
+            if i > 0 {
+                out.push('&');
+            }
+            let (key, value) = match pair.split_once('=') {
+                Some((k, v)) => (k, Some(v)),
+                None => (pair, None),
+            };
+            out.push_str(key);
+            if let Some(value) = value {
+                out.push('=');
+                let secret = SECRET_PARAMS.iter().any(|p| key.eq_ignore_ascii_case(p));
+                out.push_str(if secret { "***" } else { value });
+            }
+        }
+    }
+    if let Some(fragment) = fragment {
+        out.push('#');
+        out.push_str(fragment);
+    }
+    out
+}
+
+fn redact(url: &str) -> String {
+    redact_url(url)
 }
 
 impl Db {
@@ -158,6 +240,27 @@ impl Db {
         let connect_options = AnyConnectOptions::from_str(&url)
             .map_err(|e| DbError::config(format!("invalid database URL {shown:?}: {e}")))?
             .disable_statement_logging();
+        if dialect != Dialect::Sqlite {
+            // One direct connection first: a refused connection, an unknown host or a failed
+            // login is reported at once, with its cause, instead of as "pool timed out" after
+            // the acquire timeout (the pool retries connect errors silently until then).
+            match tokio::time::timeout(options.acquire_timeout, connect_options.connect()).await {
+                Ok(Ok(conn)) => {
+                    let _ = sqlx::Connection::close(conn).await;
+                }
+                Ok(Err(e)) => {
+                    return Err(DbError::unavailable(format!(
+                        "cannot open database {shown}: {e}"
+                    )));
+                }
+                Err(_) => {
+                    return Err(DbError::unavailable(format!(
+                        "cannot open database {shown}: no answer within {:?}",
+                        options.acquire_timeout
+                    )));
+                }
+            }
+        }
         let busy_ms = options.busy_timeout.as_millis();
         let pool = AnyPoolOptions::new()
             .max_connections(options.max_connections)
@@ -176,7 +279,11 @@ impl Db {
                             conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
                                 .await?;
                         }
-                        Dialect::Postgres => {}
+                        Dialect::Postgres => {
+                            // Server NOTICEs ("relation ... already exists, skipping") are
+                            // noise in a CLI's output; warnings and errors still arrive.
+                            conn.execute("SET client_min_messages = warning").await?;
+                        }
                     }
                     Ok(())
                 })

@@ -36,7 +36,7 @@ pub mod testing;
 
 use std::sync::OnceLock;
 
-pub use db::{Db, DbOptions, Dialect, is_tidb_version};
+pub use db::{Db, DbOptions, Dialect, is_tidb_version, redact_url};
 pub use error::{DbError, DbErrorKind};
 pub use migrate::Migration;
 pub use ownership::Fence;
@@ -46,13 +46,22 @@ pub use sqlx;
 pub use tx::{TxFuture, WriteError, WriteTx, commit_rolled_back};
 
 /// The ownership authority's own migrations.
-pub const OWNERSHIP_MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "ownership and fence",
-    sqlite: include_str!("../sql/sqlite/0001_ownership.sql"),
-    postgres: include_str!("../sql/postgres/0001_ownership.sql"),
-    mysql: include_str!("../sql/mysql/0001_ownership.sql"),
-}];
+pub const OWNERSHIP_MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "ownership and fence",
+        sqlite: include_str!("../sql/sqlite/0001_ownership.sql"),
+        postgres: include_str!("../sql/postgres/0001_ownership.sql"),
+        mysql: include_str!("../sql/mysql/0001_ownership.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "byte-exact utf8mb4 keys (MySQL dialect; nothing elsewhere)",
+        sqlite: "",
+        postgres: "",
+        mysql: include_str!("../sql/mysql/0002_ownership.sql"),
+    },
+];
 
 fn queries() -> &'static DialectQueries {
     static Q: OnceLock<DialectQueries> = OnceLock::new();

@@ -132,6 +132,32 @@ impl TestDb {
     ///
     /// As [`TestDb::create`].
     pub async fn create_with(dialect: Dialect, label: &str, options: DbOptions) -> Option<TestDb> {
+        TestDb::create_inner(dialect, label, options, "").await
+    }
+
+    /// A MySQL-dialect test database whose default character set is `latin1` with the
+    /// server's case-insensitive collation: the tables a migration creates there must pin
+    /// `utf8mb4` and a byte-exact collation themselves.
+    ///
+    /// # Panics
+    ///
+    /// As [`TestDb::create`].
+    pub async fn create_latin1_mysql(label: &str, options: DbOptions) -> Option<TestDb> {
+        TestDb::create_inner(
+            Dialect::Mysql,
+            label,
+            options,
+            " CHARACTER SET latin1 COLLATE latin1_swedish_ci",
+        )
+        .await
+    }
+
+    async fn create_inner(
+        dialect: Dialect,
+        label: &str,
+        options: DbOptions,
+        create_suffix: &str,
+    ) -> Option<TestDb> {
         let name = unique(label);
         let admin_url = match dialect {
             Dialect::Sqlite => {
@@ -177,7 +203,7 @@ impl TestDb {
         purge_stale(&admin, dialect).await;
         admin
             .pool()
-            .execute(format!("CREATE DATABASE {name}").as_str())
+            .execute(format!("CREATE DATABASE {name}{create_suffix}").as_str())
             .await
             .expect("create the test database");
         admin.close().await;

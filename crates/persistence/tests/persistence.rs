@@ -23,6 +23,137 @@ async fn bad_urls_and_unreachable_servers_give_clear_errors() {
 }
 
 #[test]
+fn every_credential_in_a_url_is_hidden() {
+    use nexuscrm_persistence::redact_url;
+    for (url, want) in [
+        (
+            "postgres://host/db?user=u&password=S3cret",
+            "postgres://host/db?user=u&password=***",
+        ),
+        (
+            "postgres://u:S3cret@host:5432/db?sslmode=require&sslpassword=K3y&passfile=/p/f",
+            "postgres://u:***@host:5432/db?sslmode=require&sslpassword=***&passfile=***",
+        ),
+        (
+            "mysql://root@127.0.0.1:3306/test",
+            "mysql://root@127.0.0.1:3306/test",
+        ),
+        (
+            "mysql://r:p%40ss@h/db?PASSWORD=x#frag",
+            "mysql://r:***@h/db?PASSWORD=***#frag",
+        ),
+        (
+            "postgres://h/db?sslkey=/k&token=t&pwd=w",
+            "postgres://h/db?sslkey=***&token=***&pwd=***",
+        ),
+        ("sqlite://./a.db?mode=rwc", "sqlite://./a.db?mode=rwc"),
+        ("not a url?password=x", "not a url?password=***"),
+        ("postgres://u:a@b@host/db", "postgres://u:***@host/db"),
+    ] {
+        assert_eq!(redact_url(url), want, "{url}");
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_server_is_reported_at_once_with_its_cause_and_no_secret() {
+    // The pool alone would retry silently and report "pool timed out" after 60 s.
+    let options = nexuscrm_persistence::DbOptions::default()
+        .acquire_timeout(std::time::Duration::from_secs(60));
+    let started = std::time::Instant::now();
+    let e = Db::connect_with(
+        "postgres://127.0.0.1:1/test?user=u&password=S3cret",
+        options,
+    )
+    .await
+    .unwrap_err();
+    let shown = e.to_string();
+    assert_eq!(e.kind(), DbErrorKind::Unavailable);
+    assert!(!shown.contains("S3cret"), "{shown}");
+    assert!(shown.contains("password=***"), "{shown}");
+    assert!(
+        shown.to_ascii_lowercase().contains("refused"),
+        "the cause is named: {shown}"
+    );
+    assert!(!shown.contains("pool timed out"), "{shown}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(50),
+        "reported before the acquire timeout"
+    );
+    let e = Db::connect("mysql://root:S3cret@127.0.0.1:1/test")
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().to_ascii_lowercase().contains("refused"),
+        "{e}"
+    );
+    assert!(!e.to_string().contains("S3cret"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrators_apply_each_migration_once_and_all_succeed() {
+    for d in DIALECTS {
+        let Some(t) = TestDb::create(d, "migrators").await else {
+            continue;
+        };
+        let ms: &[Migration] = &[
+            Migration {
+                version: 1,
+                name: "table",
+                sqlite: "CREATE TABLE IF NOT EXISTS m_t (id BIGINT PRIMARY KEY)",
+                postgres: "CREATE TABLE IF NOT EXISTS m_t (id BIGINT PRIMARY KEY)",
+                mysql: "CREATE TABLE IF NOT EXISTS m_t (id BIGINT PRIMARY KEY)",
+            },
+            Migration {
+                version: 2,
+                name: "column",
+                sqlite: "ALTER TABLE m_t ADD COLUMN c BIGINT NOT NULL DEFAULT 0",
+                postgres: "ALTER TABLE m_t ADD COLUMN IF NOT EXISTS c BIGINT NOT NULL DEFAULT 0",
+                mysql: "ALTER TABLE m_t ADD COLUMN IF NOT EXISTS c BIGINT NOT NULL DEFAULT 0",
+            },
+        ];
+        let mut runs = Vec::new();
+        for _ in 0..4 {
+            let db = Db::connect(&t.url).await.unwrap();
+            runs.push(tokio::spawn(async move { db.migrate("m", ms).await }));
+        }
+        for r in runs {
+            r.await.unwrap().unwrap_or_else(|e| panic!("{d}: {e}"));
+        }
+        assert_eq!(t.db.schema_version("m").await.unwrap(), 2, "{d}");
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_migration_leaves_no_half_applied_version_on_transactional_backends() {
+    for d in [Dialect::Sqlite, Dialect::Postgres] {
+        let Some(t) = TestDb::create(d, "halfmig").await else {
+            continue;
+        };
+        let bad = [Migration {
+            version: 1,
+            name: "half",
+            sqlite: "CREATE TABLE h_t (id BIGINT PRIMARY KEY);\nTHIS IS NOT SQL",
+            postgres: "CREATE TABLE h_t (id BIGINT PRIMARY KEY);\nTHIS IS NOT SQL",
+            mysql: "",
+        }];
+        let e = t.db.migrate("h", &bad).await.unwrap_err();
+        assert_eq!(e.kind(), DbErrorKind::Migration, "{d}: {e}");
+        assert_eq!(t.db.schema_version("h").await.unwrap(), 0, "{d}");
+        // The first statement rolled back with the second: a fixed migration applies cleanly.
+        let good = [Migration {
+            version: 1,
+            name: "whole",
+            sqlite: "CREATE TABLE h_t (id BIGINT PRIMARY KEY)",
+            postgres: "CREATE TABLE h_t (id BIGINT PRIMARY KEY)",
+            mysql: "",
+        }];
+        assert_eq!(t.db.migrate("h", &good).await.unwrap(), 1, "{d}");
+        t.drop_database().await;
+    }
+}
+
+#[test]
 fn tidb_is_recognised_from_its_version_string() {
     assert!(nexuscrm_persistence::is_tidb_version("8.0.11-TiDB-v7.5.0"));
     assert!(!nexuscrm_persistence::is_tidb_version(

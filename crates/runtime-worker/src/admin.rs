@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use nexuscrm_bulk::Bulk;
 use nexuscrm_flow::Flow;
+use nexuscrm_persistence::{Db, sqlx};
 use nexuscrm_worker::{CLAIM_LATENCY_BOUNDS, ControllerHandle, Declaration, Snapshot};
 use serde_json::{Value, json};
 
@@ -99,10 +100,56 @@ impl Store {
     }
 }
 
+/// How long `/readyz` waits for the database to answer `SELECT 1`.
+pub(crate) const READY_DB_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long one answer of the database serves `/readyz` (so a flood of probes costs the
+/// database at most one `SELECT 1` a second). `/readyz` follows the database within
+/// `READY_DB_TIMEOUT + READY_DB_CACHE` (3 s).
+pub(crate) const READY_DB_CACHE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// `/readyz`'s check of the database: a `SELECT 1` bounded by [`READY_DB_TIMEOUT`], its answer
+/// shared for [`READY_DB_CACHE`], one check at a time.
+#[derive(Debug)]
+pub(crate) struct DatabaseCheck {
+    db: Db,
+    last: tokio::sync::Mutex<Option<(tokio::time::Instant, Result<(), String>)>>,
+}
+
+impl DatabaseCheck {
+    pub(crate) fn new(db: Db) -> Self {
+        DatabaseCheck {
+            db,
+            last: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    async fn check(&self) -> Result<(), String> {
+        let mut last = self.last.lock().await;
+        if let Some((at, answer)) = &*last
+            && at.elapsed() < READY_DB_CACHE
+        {
+            return answer.clone();
+        }
+        // A read: dropping it at the timeout commits nothing.
+        let probe = sqlx::query("SELECT 1").execute(self.db.pool());
+        let answer = match tokio::time::timeout(READY_DB_TIMEOUT, probe).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(format!("database {}: {e}", self.db.url())),
+            Err(_) => Err(format!(
+                "database {}: no answer within {READY_DB_TIMEOUT:?}",
+                self.db.url()
+            )),
+        };
+        *last = Some((tokio::time::Instant::now(), answer.clone()));
+        answer
+    }
+}
+
 /// Shared admin state.
 #[derive(Clone, Debug)]
 pub(crate) struct Admin {
     pub(crate) families: Arc<Vec<Family>>,
+    pub(crate) database: Arc<DatabaseCheck>,
 }
 
 pub(crate) fn router(admin: Admin) -> Router {
@@ -116,6 +163,9 @@ pub(crate) fn router(admin: Admin) -> Router {
 
 async fn readyz(State(admin): State<Admin>) -> Response {
     let mut problems = Vec::new();
+    if let Err(e) = admin.database.check().await {
+        problems.push(e);
+    }
     for f in admin.families.iter() {
         let s = f.handle.snapshot();
         if let Some(p) = &s.poisoned {

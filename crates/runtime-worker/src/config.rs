@@ -19,6 +19,7 @@ pub(crate) struct RawConfig {
     pub(crate) database_url: Option<String>,
     pub(crate) generation: Option<i64>,
     pub(crate) admin_addr: Option<String>,
+    pub(crate) admin_allowed_hosts: Option<Vec<String>>,
     pub(crate) shutdown_timeout_secs: Option<u64>,
     pub(crate) log_format: Option<String>,
     pub(crate) bulk: Option<RawBulk>,
@@ -70,6 +71,8 @@ pub(crate) struct Settings {
     pub(crate) database_url: String,
     pub(crate) generation: i64,
     pub(crate) admin_addr: SocketAddr,
+    /// Host names the admin server answers to besides loopback ones (DNS-rebinding guard).
+    pub(crate) admin_allowed_hosts: Vec<String>,
     pub(crate) shutdown_timeout: Duration,
     pub(crate) log_format: LogFormat,
     pub(crate) bulk: BulkSettings,
@@ -123,6 +126,7 @@ impl RawConfig {
             database_url,
             generation,
             admin_addr,
+            admin_allowed_hosts,
             shutdown_timeout_secs,
             log_format
         );
@@ -204,6 +208,13 @@ impl RawConfig {
             database_url: var("NEXUSCRM_DATABASE_URL"),
             generation: parse("NEXUSCRM_GENERATION")?,
             admin_addr: var("NEXUSCRM_ADMIN_ADDR"),
+            admin_allowed_hosts: var("NEXUSCRM_ADMIN_ALLOWED_HOSTS").map(|v| {
+                v.split(',')
+                    .map(str::trim)
+                    .filter(|h| !h.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            }),
             shutdown_timeout_secs: parse("NEXUSCRM_SHUTDOWN_TIMEOUT_SECS")?,
             log_format: var("NEXUSCRM_LOG_FORMAT"),
             bulk: Some(bulk),
@@ -233,6 +244,19 @@ impl RawConfig {
                     "{admin_addr} is not a loopback address; the admin server only serves loopback"
                 ),
             ));
+        }
+        let admin_allowed_hosts = self.admin_allowed_hosts.unwrap_or_default();
+        for h in &admin_allowed_hosts {
+            let ok = !h.is_empty()
+                && h.len() <= 253
+                && h.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-');
+            if !ok {
+                return Err(bad(
+                    "admin_allowed_hosts",
+                    format!("{h:?} is not a host name (letters, digits, '.' and '-', no port)"),
+                ));
+            }
         }
         let shutdown = self.shutdown_timeout_secs.unwrap_or(30);
         if shutdown > 3600 {
@@ -350,6 +374,7 @@ impl RawConfig {
             database_url: self.database_url.unwrap_or_else(|| DEFAULT_DATABASE.into()),
             generation,
             admin_addr,
+            admin_allowed_hosts,
             shutdown_timeout: Duration::from_secs(shutdown),
             log_format,
             bulk: BulkSettings {

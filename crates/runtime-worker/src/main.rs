@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 mod admin;
 mod config;
+mod http;
 mod stall;
 mod supervise;
 

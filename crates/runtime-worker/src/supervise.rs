@@ -176,6 +176,7 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     let names: Vec<&str> = families.iter().map(|f| f.declaration.family()).collect();
     let admin_state = admin::Admin {
         families: Arc::new(families.clone()),
+        database: Arc::new(admin::DatabaseCheck::new(bulk.db().clone())),
     };
     let listener = tokio::net::TcpListener::bind(s.admin_addr)
         .await
@@ -189,11 +190,16 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     );
     let admin_stop = CancellationToken::new();
     let stop = admin_stop.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, admin::router(admin_state))
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await
-    });
+    let limits = crate::http::Limits {
+        allowed_hosts: s.admin_allowed_hosts.clone(),
+        ..crate::http::Limits::default()
+    };
+    let server = tokio::spawn(crate::http::serve(
+        listener,
+        admin::router(admin_state),
+        limits,
+        stop,
+    ));
     // Admin HTTP is up before ownership and the startup reconciliation: /livez answers during a
     // slow start and /readyz says "not ready" until every controller reports Ready.
     let owned = async {

@@ -30,6 +30,10 @@ fn start(url: &str, extra: &[&str]) -> Worker {
 }
 
 fn start_leased(url: &str, lease_secs: &str, extra: &[&str]) -> Worker {
+    start_with_env(url, lease_secs, extra, &[])
+}
+
+fn start_with_env(url: &str, lease_secs: &str, extra: &[&str], env: &[(&str, &str)]) -> Worker {
     let mut child = Command::new(BIN)
         .args([
             "--database-url",
@@ -44,6 +48,7 @@ fn start_leased(url: &str, lease_secs: &str, extra: &[&str]) -> Worker {
         ])
         .args(extra)
         .env_remove("NEXUSCRM_DATABASE_URL")
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -77,11 +82,15 @@ fn start_leased(url: &str, lease_secs: &str, extra: &[&str]) -> Worker {
 }
 
 fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    get_as(port, path, &format!("127.0.0.1:{port}"))
+}
+
+fn get_as(port: u16, path: &str, host: &str) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
     )
     .ok()?;
     let mut text = String::new();
@@ -665,5 +674,202 @@ async fn schedule_commands_drive_a_running_worker_across_processes() {
     .await
     .unwrap();
     assert_eq!(dup, 0);
+    t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_server_answers_only_loopback_host_names() {
+    let t = TestDb::create(Dialect::Sqlite, "hosts").await.unwrap();
+    let mut w = start(&t.url, &[]);
+    let port = w.port;
+    for host in [
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        format!("[::1]:{port}"),
+    ] {
+        assert_eq!(get_as(port, "/snapshot", &host).unwrap().0, 200, "{host}");
+    }
+    // A DNS-rebinding page sends its own name: refused, for every path, and logged.
+    for host in [
+        "evil.example",
+        "evil.example:9464",
+        "localhost.evil.example",
+        "10.1.2.3",
+    ] {
+        let (code, body) = get_as(port, "/metrics", host).unwrap();
+        assert_eq!(code, 421, "{host}: {body}");
+        assert!(!body.contains("nexuscrm_"), "{host}: nothing leaks");
+    }
+    stop_clean(&mut w);
+    assert!(w.log.lock().unwrap().contains("not this loopback server"));
+    // A name the operator allows is served.
+    let mut w = start_with_env(
+        &t.url,
+        "0.5",
+        &[],
+        &[(
+            "NEXUSCRM_ADMIN_ALLOWED_HOSTS",
+            "worker.internal, other.internal",
+        )],
+    );
+    assert_eq!(
+        get_as(w.port, "/livez", "worker.internal:1").unwrap().0,
+        200
+    );
+    assert_eq!(get_as(w.port, "/livez", "Other.Internal").unwrap().0, 200);
+    assert_eq!(get_as(w.port, "/livez", "third.internal").unwrap().0, 421);
+    stop_clean(&mut w);
+    t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn livez_answers_under_a_flood_of_idle_connections_and_the_limit_is_logged() {
+    let t = TestDb::create(Dialect::Sqlite, "flood").await.unwrap();
+    let mut w = start(&t.url, &[]);
+    // 300 connections that never send a byte (more than the cap of 64).
+    let mut idle = Vec::new();
+    for _ in 0..300 {
+        if let Ok(s) = TcpStream::connect(("127.0.0.1", w.port)) {
+            idle.push(s);
+        }
+    }
+    assert!(idle.len() >= 200, "opened {} idle connections", idle.len());
+    // While every one of them is still open, /livez answers (the oldest idle one is shed).
+    for i in 0..20 {
+        let r = get(w.port, "/livez");
+        assert_eq!(r.map(|r| r.0), Some(200), "livez {i} under the flood");
+    }
+    // A half-sent request is closed after the header timeout (5 s), never held forever.
+    let mut slow = TcpStream::connect(("127.0.0.1", w.port)).unwrap();
+    slow.write_all(b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let started = Instant::now();
+    let mut buf = Vec::new();
+    let _ = slow.read_to_end(&mut buf);
+    assert!(
+        started.elapsed() < Duration::from_secs(25),
+        "a slow client was held {:?}",
+        started.elapsed()
+    );
+    drop(idle);
+    stop_clean(&mut w);
+    let log = w.log.lock().unwrap().clone();
+    assert!(log.contains("connection limit reached"), "{log}");
+    t.drop_database().await;
+}
+
+/// A TCP proxy to PostgreSQL that a test can cut (open connections closed, new ones accepted
+/// but never answered, like a dead host) and restore.
+struct Proxy {
+    port: u16,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+    generation: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Proxy {
+    async fn start(upstream: u16) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (tx, _) = tokio::sync::watch::channel(0u64);
+        let generation = Arc::new(tx);
+        let (c, g) = (cut.clone(), generation.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                let cut = c.clone();
+                let mut changed = g.subscribe();
+                tokio::spawn(async move {
+                    if cut.load(std::sync::atomic::Ordering::SeqCst) {
+                        // Black hole: hold the connection, answer nothing.
+                        let _ = changed.changed().await;
+                        return;
+                    }
+                    let Ok(mut outbound) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = changed.changed() => {}
+                    }
+                });
+            }
+        });
+        Proxy {
+            port,
+            cut,
+            generation,
+        }
+    }
+
+    fn set_cut(&self, on: bool) {
+        self.cut.store(on, std::sync::atomic::Ordering::SeqCst);
+        // Every open connection ends (a cut drops them; a restore frees the black-holed ones).
+        self.generation.send_modify(|g| *g += 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_the_database_within_three_seconds() {
+    let Some(t) = TestDb::create(Dialect::Postgres, "readydb").await else {
+        return;
+    };
+    let proxy = Proxy::start(5432).await;
+    assert!(t.url.contains(":5432/"), "{}", t.url);
+    let url = t.url.replace(":5432/", &format!(":{}/", proxy.port));
+    let mut w = start(&url, &[]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
+        assert!(
+            Instant::now() < deadline,
+            "never ready: {}",
+            w.log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.set_cut(true);
+    let cut_at = Instant::now();
+    let (code, body) = loop {
+        let (code, body) = get(w.port, "/readyz").unwrap();
+        if code != 200 {
+            break (code, body);
+        }
+        assert!(
+            cut_at.elapsed() < Duration::from_secs(20),
+            "still ready with the database gone"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let took = cut_at.elapsed();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("database"), "{body}");
+    // The stated bound is 3 s (2 s probe timeout + 1 s shared answer); 2 s of slack for a
+    // loaded machine.
+    assert!(
+        took < Duration::from_secs(5),
+        "readiness followed after {took:?}"
+    );
+    assert_eq!(
+        get(w.port, "/livez").unwrap().0,
+        200,
+        "liveness does not follow the database"
+    );
+    proxy.set_cut(false);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
+        assert!(
+            Instant::now() < deadline,
+            "never ready again: {}",
+            w.log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop_clean(&mut w);
     t.drop_database().await;
 }

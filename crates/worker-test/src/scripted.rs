@@ -182,6 +182,7 @@ pub struct AttemptPlan {
 enum Outcome {
     Ok,
     Err,
+    NotCommitted,
     Panic,
 }
 
@@ -202,6 +203,17 @@ impl AttemptPlan {
         AttemptPlan {
             run_for,
             outcome: Outcome::Err,
+            ignore_cancel: false,
+        }
+    }
+
+    /// Runs for `run_for`, then returns [`AttemptError::not_committed`]: its last write proved
+    /// not to have committed.
+    #[must_use]
+    pub const fn not_committing(run_for: Duration) -> Self {
+        AttemptPlan {
+            run_for,
+            outcome: Outcome::NotCommitted,
             ignore_cancel: false,
         }
     }
@@ -775,6 +787,9 @@ impl Attempt for ScriptedAttempt {
         match self.plan.outcome {
             Outcome::Ok => Ok(()),
             Outcome::Err => Err(AttemptError::new("scripted attempt failure")),
+            Outcome::NotCommitted => Err(AttemptError::not_committed(
+                "scripted attempt: the release did not commit",
+            )),
             Outcome::Panic => panic!("scripted attempt panic"),
         }
     }

@@ -325,7 +325,10 @@ impl Waker {
 pub enum RunErrorKind {
     /// `check_ready` failed. Not poisoned; the controller is handed back.
     NotReady,
-    /// `reconcile` or `claim` failed with a proven not-committed error. Not poisoned.
+    /// `reconcile`, `claim` or an attempt ([`AttemptError::not_committed`]) failed with a proven
+    /// not-committed error. Not poisoned.
+    ///
+    /// [`AttemptError::not_committed`]: crate::AttemptError::not_committed
     NotCommitted,
     /// A newer deployment generation fenced the source out ([`SourceError::superseded`]):
     /// nothing committed, so the controller is handed back and not poisoned, but restarting it
@@ -642,6 +645,20 @@ impl<S: Source> Run<S> {
         self.sync_in_flight();
         match done {
             Ok(Ok(())) => {}
+            Ok(Err(e)) if e.is_not_committed() => {
+                bump(&self.counters().attempts_failed);
+                // Proven not committed: the item is still leased and returns when its lease
+                // ends. Stop (the store is failing) without poisoning.
+                if self.reusable.is_none() && self.failure.is_none() {
+                    log_event!(warn, controller = %self.shared.name, error = %e, "controller stopped: an attempt's write did not commit");
+                    self.reusable = Some((
+                        RunErrorKind::NotCommitted,
+                        "attempt",
+                        SourceError::not_committed(e.into_inner()),
+                    ));
+                }
+                self.begin_stop();
+            }
             Ok(Err(e)) => {
                 bump(&self.counters().attempts_failed);
                 self.fail(

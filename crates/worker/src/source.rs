@@ -355,17 +355,46 @@ impl Error for SourceError {
     }
 }
 
-/// A process-fatal error from [`Attempt::run`].
+/// An error from [`Attempt::run`]: the attempt could not reach a durable disposition.
+///
+/// By default ([`AttemptError::new`]) it is process-fatal: whether the attempt's last write
+/// committed is unknown, so the controller poisons itself and the process must be replaced
+/// (fail-stop). When the attempt *proves* that its last write did not commit (the database
+/// refused the connection, the pool timed out, the transaction rolled back before `COMMIT`),
+/// it returns [`AttemptError::not_committed`]: the item is still leased and returns when its
+/// lease ends, nothing is ambiguous, and the controller stops with
+/// [`RunErrorKind::NotCommitted`](crate::RunErrorKind::NotCommitted), reusable and not poisoned
+/// (the Runtime Worker restarts it after a back-off, as it does for a claim that did not
+/// commit).
 pub struct AttemptError {
     inner: BoxError,
+    not_committed: bool,
 }
 
 impl AttemptError {
-    /// Wraps the error that made the attempt unable to reach a durable disposition.
+    /// Wraps the error that made the attempt unable to reach a durable disposition, with an
+    /// unknown outcome: the controller poisons itself.
     pub fn new(error: impl Into<BoxError>) -> Self {
         AttemptError {
             inner: error.into(),
+            not_committed: false,
         }
+    }
+
+    /// Wraps an error proven not to have committed anything the attempt wrote last (only
+    /// when the store says so: a connection that was never made, a transaction rolled back
+    /// before `COMMIT`). The controller stops without poisoning itself.
+    pub fn not_committed(error: impl Into<BoxError>) -> Self {
+        AttemptError {
+            inner: error.into(),
+            not_committed: true,
+        }
+    }
+
+    /// Whether the attempt proved that its last write did not commit.
+    #[must_use]
+    pub fn is_not_committed(&self) -> bool {
+        self.not_committed
     }
 
     /// The underlying error.
@@ -373,17 +402,28 @@ impl AttemptError {
     pub fn get_ref(&self) -> &(dyn Error + Send + Sync + 'static) {
         &*self.inner
     }
+
+    pub(crate) fn into_inner(self) -> BoxError {
+        self.inner
+    }
 }
 
 impl fmt::Debug for AttemptError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("AttemptError").field(&self.inner).finish()
+        f.debug_struct("AttemptError")
+            .field("inner", &self.inner)
+            .field("not_committed", &self.not_committed)
+            .finish()
     }
 }
 
 impl fmt::Display for AttemptError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.inner, f)
+        fmt::Display::fmt(&self.inner, f)?;
+        if self.not_committed {
+            f.write_str(" (not committed)")?;
+        }
+        Ok(())
     }
 }
 

@@ -927,6 +927,33 @@ async fn an_attempt_panic_cancels_the_others_drains_and_poisons() {
     fail_one_attempt(AttemptPlan::panicking(SEC), RunErrorKind::AttemptPanicked).await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn an_attempt_proven_not_committed_stops_the_controller_reusable_not_poisoned() {
+    let src = ScriptedSource::new();
+    let long = AttemptPlan::ok(Duration::from_secs(3600));
+    src.push_claim(Step::ok(ClaimPlan::done(vec![
+        long,
+        AttemptPlan::not_committing(SEC),
+        long,
+    ])));
+    let t0 = tokio::time::Instant::now();
+    let r = start(&src);
+    let handle = r.handle.clone();
+    let err = r.task.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), RunErrorKind::NotCommitted, "{err}");
+    assert!(!err.is_poisoned());
+    assert!(!handle.is_poisoned());
+    assert!(err.to_string().contains("did not commit"), "{err}");
+    assert_eq!(err.in_flight(), 0, "the others released within the bound");
+    assert_eq!(src.attempts_released(), 2, "the others were cancelled");
+    assert_eq!(tokio::time::Instant::now() - t0, SEC, "stopped at once");
+    assert_calls!(src, claim = 1);
+    let snap = handle.snapshot();
+    assert_eq!(snap.attempts_failed, 1);
+    assert!(snap.poisoned.is_none());
+    src.assert_snapshot_agrees(&snap);
+}
+
 async fn fail_one_attempt(bad: AttemptPlan, kind: RunErrorKind) {
     let src = ScriptedSource::new();
     let long = AttemptPlan::ok(Duration::from_secs(3600));

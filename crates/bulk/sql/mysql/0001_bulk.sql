@@ -16,7 +16,7 @@ CREATE TABLE IF NOT EXISTS bulk_job (
     last_error       TEXT,
     created_at       BIGINT       NOT NULL,
     updated_at       BIGINT       NOT NULL
-);
+) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;
 CREATE INDEX IF NOT EXISTS bulk_job_due ON bulk_job (state, run_at);
 CREATE INDEX IF NOT EXISTS bulk_job_lease ON bulk_job (state, lease_expires_at);
 CREATE TABLE IF NOT EXISTS bulk_input (
@@ -25,19 +25,19 @@ CREATE TABLE IF NOT EXISTS bulk_input (
     record_key VARCHAR(255) NOT NULL,
     fields     TEXT         NOT NULL,
     PRIMARY KEY (job_id, ordinal)
-);
+) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;
 CREATE TABLE IF NOT EXISTS bulk_row_error (
     job_id  BIGINT NOT NULL,
     ordinal BIGINT NOT NULL,
     message TEXT   NOT NULL,
     PRIMARY KEY (job_id, ordinal)
-);
+) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;
 CREATE TABLE IF NOT EXISTS crm_record (
     record_key VARCHAR(255) NOT NULL PRIMARY KEY,
     revision   BIGINT       NOT NULL,
     data       TEXT         NOT NULL,
     updated_at BIGINT       NOT NULL
-);
+) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;
 CREATE TABLE IF NOT EXISTS crm_record_change (
     id         BIGINT AUTO_INCREMENT PRIMARY KEY,
     job_id     BIGINT       NOT NULL,
@@ -45,5 +45,5 @@ CREATE TABLE IF NOT EXISTS crm_record_change (
     record_key VARCHAR(255) NOT NULL,
     revision   BIGINT       NOT NULL,
     applied_at BIGINT       NOT NULL
-);
+) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;
 CREATE INDEX IF NOT EXISTS crm_record_change_job ON crm_record_change (job_id, ordinal);

@@ -13,15 +13,15 @@ INSERT INTO bulk_input (job_id, ordinal, record_key, fields) VALUES
 -- name: claim
 UPDATE bulk_job
 SET state = 'running', claim_token = $1, lease_expires_at = $2, owner_generation = $3,
-    attempts = attempts + 1, updated_at = $4
+    attempts = attempts + 1, stalled_claims = stalled_claims + 1, updated_at = $4
 WHERE id IN (
     SELECT id FROM bulk_job
     WHERE (state = 'pending' AND run_at <= $5) OR (state = 'running' AND lease_expires_at <= $6)
     ORDER BY id LIMIT $7
     FOR UPDATE SKIP LOCKED)
-RETURNING id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size
+RETURNING id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size, stalled_claims
 -- name: claimed
-SELECT id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size FROM bulk_job WHERE claim_token = $1
+SELECT id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size, stalled_claims FROM bulk_job WHERE claim_token = $1
 
 -- next_work_at: two indexed MIN reads.
 -- name: next_run_at
@@ -54,12 +54,17 @@ INSERT INTO crm_record_change (job_id, ordinal, record_key, revision, applied_at
 INSERT INTO bulk_row_error (job_id, ordinal, message) VALUES ($1, $2, $3)
 -- name: segment_commit
 UPDATE bulk_job SET cursor_ordinal = $1, applied_rows = $2, rejected_rows = $3, lease_expires_at = $4,
-    state = $5, claim_token = $6, updated_at = $7
+    state = $5, claim_token = $6, stalled_claims = 0, updated_at = $7
 WHERE id = $8 AND claim_token = $9 AND state = 'running'
 -- name: release
 UPDATE bulk_job SET state = $1, claim_token = NULL, lease_expires_at = NULL, run_at = $2, attempts = attempts - $3,
-    last_error = $4, updated_at = $5
-WHERE id = $6 AND claim_token = $7 AND state = 'running'
+    stalled_claims = GREATEST(stalled_claims - $4, 0), last_error = $5, updated_at = $6
+WHERE id = $7 AND claim_token = $8 AND state = 'running'
+-- An operator's retry of a poisoned job: pending at once, with a fresh count of claims without
+-- progress (its cursor, applied rows and attempts stay).
+-- name: retry
+UPDATE bulk_job SET state = 'pending', run_at = $1, stalled_claims = 0, last_error = NULL, updated_at = $1
+WHERE id = $2 AND state = 'poisoned'
 
 -- Observations and the generation probe.
 -- name: count_by_state
@@ -69,8 +74,8 @@ SELECT MIN(run_at) FROM bulk_job WHERE state = 'pending' AND run_at <= $1
 -- name: generation
 SELECT MAX(id), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'bulk') FROM bulk_job
 -- name: job_status
-SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at
+SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims
 FROM bulk_job WHERE id = $1
 -- name: job_list
-SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at
+SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims
 FROM bulk_job ORDER BY id DESC LIMIT $1

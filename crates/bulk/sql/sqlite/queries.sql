@@ -13,15 +13,15 @@ INSERT INTO bulk_input (job_id, ordinal, record_key, fields) VALUES
 -- name: claim
 UPDATE bulk_job
 SET state = 'running', claim_token = ?, lease_expires_at = ?, owner_generation = ?,
-    attempts = attempts + 1, updated_at = ?
+    attempts = attempts + 1, stalled_claims = stalled_claims + 1, updated_at = ?
 WHERE id IN (
     SELECT id FROM bulk_job WHERE state = 'pending' AND run_at <= ?
     UNION ALL
     SELECT id FROM bulk_job WHERE state = 'running' AND lease_expires_at <= ?
     ORDER BY id LIMIT ?)
-RETURNING id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size
+RETURNING id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size, stalled_claims
 -- name: claimed
-SELECT id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size FROM bulk_job WHERE claim_token = ?
+SELECT id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size, stalled_claims FROM bulk_job WHERE claim_token = ?
 
 -- next_work_at: two indexed MIN reads.
 -- name: next_run_at
@@ -54,12 +54,17 @@ INSERT INTO crm_record_change (job_id, ordinal, record_key, revision, applied_at
 INSERT INTO bulk_row_error (job_id, ordinal, message) VALUES (?, ?, ?)
 -- name: segment_commit
 UPDATE bulk_job SET cursor_ordinal = ?, applied_rows = ?, rejected_rows = ?, lease_expires_at = ?,
-    state = ?, claim_token = ?, updated_at = ?
+    state = ?, claim_token = ?, stalled_claims = 0, updated_at = ?
 WHERE id = ? AND claim_token = ? AND state = 'running'
 -- name: release
 UPDATE bulk_job SET state = ?, claim_token = NULL, lease_expires_at = NULL, run_at = ?, attempts = attempts - ?,
-    last_error = ?, updated_at = ?
+    stalled_claims = MAX(stalled_claims - ?, 0), last_error = ?, updated_at = ?
 WHERE id = ? AND claim_token = ? AND state = 'running'
+-- An operator's retry of a poisoned job: pending at once, with a fresh count of claims without
+-- progress (its cursor, applied rows and attempts stay).
+-- name: retry
+UPDATE bulk_job SET state = 'pending', run_at = ?, stalled_claims = 0, last_error = NULL, updated_at = ?
+WHERE id = ? AND state = 'poisoned'
 
 -- Observations and the generation probe.
 -- name: count_by_state
@@ -69,8 +74,8 @@ SELECT MIN(run_at) FROM bulk_job WHERE state = 'pending' AND run_at <= ?
 -- name: generation
 SELECT MAX(id), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'bulk') FROM bulk_job
 -- name: job_status
-SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at
+SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims
 FROM bulk_job WHERE id = ?
 -- name: job_list
-SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at
+SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims
 FROM bulk_job ORDER BY id DESC LIMIT ?

@@ -20,7 +20,7 @@ CREATE TABLE IF NOT EXISTS flow_schedule (
     defined_at         BIGINT       NOT NULL,
     created_at         BIGINT       NOT NULL,
     updated_at         BIGINT       NOT NULL
-);
+) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;
 CREATE INDEX IF NOT EXISTS flow_schedule_due ON flow_schedule (state, next_occurrence_at);
 CREATE INDEX IF NOT EXISTS flow_schedule_lease ON flow_schedule (state, lease_expires_at);
 CREATE INDEX IF NOT EXISTS flow_schedule_defined ON flow_schedule (defined_at);
@@ -34,4 +34,4 @@ CREATE TABLE IF NOT EXISTS flow_run (
     owner_generation BIGINT       NOT NULL,
     state            VARCHAR(16)  NOT NULL,
     CONSTRAINT flow_run_occurrence UNIQUE (schedule_id, occurrence_at)
-);
+) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;

@@ -1,6 +1,6 @@
 -- Runtime work ownership and fence, MySQL dialect (MariaDB, MySQL; TiDB noted).
 -- name: schema_create
-CREATE TABLE IF NOT EXISTS nexuscrm_schema (component VARCHAR(64) NOT NULL PRIMARY KEY, version BIGINT NOT NULL)
+CREATE TABLE IF NOT EXISTS nexuscrm_schema (component VARCHAR(64) NOT NULL PRIMARY KEY, version BIGINT NOT NULL) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin
 -- name: schema_read
 SELECT version FROM nexuscrm_schema WHERE component = ?
 -- name: schema_insert
