@@ -190,10 +190,28 @@ enum BulkCommand {
         #[arg(long, default_value_t = 20)]
         limit: i64,
     },
+    /// Run a poisoned job again (an operator decision, logged): it returns to pending with a
+    /// fresh count of claims without progress; rows already applied stay applied.
+    Retry {
+        /// The job id.
+        job: i64,
+    },
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // A usage error is bad input: exit 1 (2 is reserved for "poisoned, replace the process").
+    // --help and --version still exit 0.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     let settings = match settings(&cli) {
         Ok(s) => s,
         Err(e) => {
@@ -520,6 +538,13 @@ async fn bulk_command(url: &str, command: BulkCommand) -> Result<ExitCode, AnyEr
             ),
             None => return Err(format!("no bulk job {job}").into()),
         },
+        BulkCommand::Retry { job } => {
+            let s = bulk.retry(JobId(job)).await?;
+            println!(
+                "job {} [{}] {}: retried at row {} of {}",
+                s.id, s.idempotency_key, s.state, s.cursor, s.total_rows
+            );
+        }
         BulkCommand::List { limit } => {
             println!(
                 "{:>6}  {:<10}  {:>9}  {:>9}  key",
@@ -558,6 +583,19 @@ fn parse_csv(input: impl std::io::Read, name: &str) -> Result<Vec<RowInput>, Any
         .headers()
         .map_err(|e| format!("{name}: unreadable CSV header: {e}"))?
         .clone();
+    let mut seen = std::collections::HashSet::new();
+    for (i, h) in headers.iter().enumerate() {
+        if h.is_empty() {
+            return Err(format!("{name}:1: column {} has an empty header", i + 1).into());
+        }
+        if !seen.insert(h) {
+            return Err(format!(
+                "{name}:1: the CSV header names column {:?} twice: every column must be distinct",
+                echo(h)
+            )
+            .into());
+        }
+    }
     let key_col = headers
         .iter()
         .position(|h| h == "record_key")
@@ -584,6 +622,8 @@ fn parse_csv(input: impl std::io::Read, name: &str) -> Result<Vec<RowInput>, Any
 fn read_jsonl(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    // A byte-order mark is accepted, as it is for CSV.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let mut rows = Vec::new();
     for (n, line) in text
         .lines()
@@ -611,6 +651,19 @@ fn read_jsonl(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
         rows.push(RowInput::new(key, fields));
     }
     Ok(rows)
+}
+
+/// `input` shortened for an error message: a 1 MB key is not echoed whole.
+fn echo(input: &str) -> String {
+    const MAX: usize = 64;
+    if input.len() <= MAX {
+        return input.to_owned();
+    }
+    let mut end = MAX;
+    while !input.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &input[..end], input.len())
 }
 
 /// The demo's schedules: names unique to this run, deleted at the end.
@@ -820,9 +873,45 @@ mod tests {
         );
         let e = parse_csv("name\nx\n".as_bytes(), "t.csv").unwrap_err();
         assert!(e.to_string().contains("no \"record_key\" column"), "{e}");
+        for (header, want) in [
+            (
+                "record_key,name,name\nk,a,b\n",
+                "names column \"name\" twice",
+            ),
+            (
+                "record_key,record_key\nk,k\n",
+                "names column \"record_key\" twice",
+            ),
+            ("record_key,,x\nk,a,b\n", "column 2 has an empty header"),
+        ] {
+            let e = parse_csv(header.as_bytes(), "t.csv").unwrap_err();
+            assert!(e.to_string().contains(want), "{header:?}: {e}");
+            assert!(e.to_string().starts_with("t.csv:1:"), "{e}");
+        }
+        let long = format!("record_key,{0},{0}\n", "c".repeat(1_000_000));
+        let e = parse_csv(long.as_bytes(), "t.csv").unwrap_err().to_string();
+        assert!(
+            e.len() < 300,
+            "a huge header is not echoed whole: {} bytes",
+            e.len()
+        );
         let e = parse_csv("record_key,name\n,x\n".as_bytes(), "t.csv").unwrap_err();
         assert!(e.to_string().contains("t.csv:2: empty record_key"), "{e}");
         let e = parse_csv("record_key,name\na,b,c\n".as_bytes(), "t.csv").unwrap_err();
         assert!(e.to_string().starts_with("t.csv:2:"), "{e}");
+    }
+
+    #[test]
+    fn json_lines_with_a_byte_order_mark_are_accepted() {
+        let path = std::env::temp_dir().join(format!("nexuscrm-bom-{}.jsonl", std::process::id()));
+        std::fs::write(
+            &path,
+            "\u{feff}{\"record_key\": \"k1\", \"fields\": {\"a\": 1}}\n{\"record_key\": \"k2\"}\n",
+        )
+        .unwrap();
+        let rows = read_jsonl(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].record_key, "k1");
     }
 }

@@ -873,3 +873,31 @@ async fn readyz_follows_the_database_within_three_seconds() {
     stop_clean(&mut w);
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_errors_exit_one_help_exits_zero_and_retry_refuses_a_job_that_is_not_poisoned() {
+    let t = TestDb::create(Dialect::Sqlite, "usage").await.unwrap();
+    for args in [
+        &["run", "--bulk-capacity", "abc"][..],
+        &["bulk", "submit", "--segment-size", "-1"][..],
+        &["no-such-command"][..],
+    ] {
+        let out = Command::new(BIN)
+            .args(["--database-url", &t.url])
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(!out.stderr.is_empty(), "{args:?}: the error is printed");
+    }
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let (ok, _, err) = cli(&t.url, &["bulk", "retry", "12345"]);
+    assert!(!ok);
+    assert!(err.contains("no bulk job 12345"), "{err}");
+    submit(&t.url, "usage-job", 3, 3);
+    let (ok, _, err) = cli(&t.url, &["bulk", "retry", "1"]);
+    assert!(!ok);
+    assert!(err.contains("not poisoned"), "{err}");
+    t.drop_database().await;
+}
