@@ -392,13 +392,28 @@ pub fn format_duration(d: Duration) -> String {
     format!("{ms}ms")
 }
 
-/// Parses `500ms`, `30s`, `5m`, `2h` or `1d`.
+/// The longest duration [`parse_duration`] accepts: 366 days (an interval or a start offset
+/// beyond a year is a typo, not a schedule).
+pub const MAX_DURATION: Duration = Duration::from_secs(366 * 86_400);
+
+/// Parses `500ms`, `30s`, `5m`, `2h` or `1d`, at most [`MAX_DURATION`].
 ///
 /// # Errors
 ///
-/// Anything else.
+/// Anything else, with the input (shortened when long) in the message.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
+    if s.len() > 32 {
+        let mut end = 32;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        return Err(format!(
+            "invalid duration {:?}… ({} bytes): expected e.g. 30s, 5m, 2h",
+            &s[..end],
+            s.len()
+        ));
+    }
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
     let n: u64 = n
@@ -418,7 +433,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     n.checked_mul(ms)
         .map(Duration::from_millis)
-        .ok_or_else(|| format!("duration {s:?} is too large"))
+        .filter(|d| *d <= MAX_DURATION)
+        .ok_or_else(|| format!("duration {s:?} is too large: at most 366d"))
 }
 
 #[cfg(test)]
@@ -544,6 +560,17 @@ mod tests {
             assert_eq!(format_duration(parse_duration(s).unwrap()), s);
         }
         assert!(parse_duration("5 parsecs").is_err());
+        assert_eq!(parse_duration("366d").unwrap(), MAX_DURATION);
+        for big in ["367d", "999999999999s", "18446744073709551615d"] {
+            let e = parse_duration(big).unwrap_err();
+            assert!(e.contains("at most 366d"), "{big}: {e}");
+        }
+        let e = parse_duration(&"9".repeat(1_000_000)).unwrap_err();
+        assert!(
+            e.len() < 120,
+            "a long input is not echoed whole: {}",
+            e.len()
+        );
         assert!(parse_duration("").is_err());
     }
 
@@ -561,6 +588,65 @@ mod tests {
             let want = &all[all.len().saturating_sub(keep)..];
             proptest::prop_assert_eq!(&due[..], want);
             proptest::prop_assert_eq!(dropped, all.len() > keep);
+        }
+    }
+
+    /// Cases per arbitrary-input property: `NEXUSCRM_PROPTEST_CASES` (the documented full run
+    /// uses 100,000), 2,000 by default so `cargo test` stays quick.
+    fn arbitrary_cases() -> proptest::test_runner::Config {
+        let cases = std::env::var("NEXUSCRM_PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2_000);
+        proptest::test_runner::Config::with_cases(cases)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(arbitrary_cases())]
+
+        /// Any text: a duration or a clear refusal, never a panic, never beyond the bound.
+        #[test]
+        fn parse_duration_never_panics_and_stays_bounded(s in ".{0,40}") {
+            match parse_duration(&s) {
+                Ok(d) => proptest::prop_assert!(d <= MAX_DURATION),
+                Err(e) => proptest::prop_assert!(!e.is_empty() && e.len() < 200, "{e}"),
+            }
+        }
+
+        /// Numbers with units round-trip through format_duration.
+        #[test]
+        fn arbitrary_durations_round_trip(n in 0u64..10_000, unit in proptest::sample::select(vec!["ms", "s", "m", "h"])) {
+            let text = format!("{n}{unit}");
+            if let Ok(d) = parse_duration(&text) {
+                proptest::prop_assert_eq!(parse_duration(&format_duration(d)).unwrap(), d);
+            }
+        }
+
+        /// Any cron-shaped text in any zone text: a timing or a clear refusal, never a panic,
+        /// and a timing's next occurrence is after its input.
+        #[test]
+        fn cron_specs_with_zones_never_panic(
+            fields in proptest::collection::vec("[0-9*/,LW#?A-Z-]{1,6}", 0..8),
+            zone in proptest::sample::select(vec!["UTC", "America/New_York", "Europe/Berlin", "Asia/Kolkata", "Nowhere/City", "", "+05:00"]),
+            anchor in 0i64..4_000_000_000_000,
+        ) {
+            let spec = Spec::cron(fields.join(" "), zone);
+            match timing(&spec, anchor) {
+                Ok(t) => {
+                    if let Some(next) = t.next_after(anchor) {
+                        proptest::prop_assert!(next > anchor);
+                    }
+                }
+                Err(e) => proptest::prop_assert!(!e.is_empty()),
+            }
+        }
+
+        /// Any policy name: one of the three or a clear refusal.
+        #[test]
+        fn misfire_policies_parse_or_refuse(name in ".{0,20}", max in 0u32..10_000) {
+            if let Err(e) = MisfirePolicy::parse(&name, max) {
+                proptest::prop_assert!(!e.is_empty());
+            }
         }
     }
 }

@@ -914,4 +914,67 @@ mod tests {
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0].record_key, "k1");
     }
+
+    /// Cases per arbitrary-input property: `NEXUSCRM_PROPTEST_CASES` (the documented full run
+    /// uses 100,000), 2,000 by default.
+    fn arbitrary_cases() -> proptest::test_runner::Config {
+        let cases = std::env::var("NEXUSCRM_PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2_000);
+        proptest::test_runner::Config::with_cases(cases)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(arbitrary_cases())]
+
+        /// Any bytes as a CSV file: rows or a clear `file:line` refusal, never a panic, and
+        /// never an echo longer than the input's first characters.
+        #[test]
+        fn csv_input_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            match parse_csv(&bytes[..], "in.csv") {
+                Ok(rows) => {
+                    for r in rows {
+                        proptest::prop_assert!(!r.record_key.is_empty());
+                    }
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    proptest::prop_assert!(e.starts_with("in.csv"), "{e}");
+                }
+            }
+        }
+
+        /// CSV-shaped text with arbitrary headers: duplicate headers are always refused.
+        #[test]
+        fn duplicate_csv_headers_are_always_refused(h in "[a-z_]{1,8}", v in "[a-z]{0,5}") {
+            let text = format!("record_key,{h},{h}\nk,{v},{v}\n");
+            proptest::prop_assert!(parse_csv(text.as_bytes(), "d.csv").is_err());
+        }
+
+        /// Any TOML text: a config or a clear refusal, never a panic.
+        #[test]
+        fn toml_config_never_panics(text in ".{0,200}") {
+            if let Ok(raw) = toml::from_str::<RawConfig>(&text) {
+                let _ = raw.validate();
+            }
+        }
+
+        /// Any URL-shaped text: a password or token put in it never appears in the redaction.
+        #[test]
+        fn redacted_urls_never_show_the_secret(
+            scheme in "(postgres|mysql|sqlite)", user in "[a-z]{1,6}",
+            host in "[a-z0-9.]{1,12}", key in "(password|PassWord|sslpassword|passfile|token)",
+        ) {
+            let secret = "Zq9SecretZq9";
+            for url in [
+                format!("{scheme}://{user}:{secret}@{host}/db"),
+                format!("{scheme}://{host}/db?user={user}&{key}={secret}"),
+                format!("{scheme}://{user}@{host}/db?a=b&{key}={secret}#x"),
+            ] {
+                let shown = nexuscrm_persistence::redact_url(&url);
+                proptest::prop_assert!(!shown.contains(secret), "{url} -> {shown}");
+            }
+        }
+    }
 }
