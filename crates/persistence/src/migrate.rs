@@ -119,10 +119,16 @@ impl Db {
     pub async fn schema_version(&self, component: &str) -> Result<i64, DbError> {
         let q = queries().for_dialect(self.dialect());
         let create = self.dialect_sql(q.get("schema_create")).await?;
-        self.pool()
-            .execute(create.as_ref())
-            .await
-            .map_err(|e| DbError::sql("creating nexuscrm_schema", e))?;
+        // Concurrent `CREATE TABLE IF NOT EXISTS` can collide on PostgreSQL's catalog
+        // (`pg_type_typname_nsp_index`): the loser sees the winner's table on a second try.
+        let mut tries = 0;
+        loop {
+            match self.pool().execute(create.as_ref()).await {
+                Ok(_) => break,
+                Err(e) if tries < 3 && crate::support::is_unique_violation(&e) => tries += 1,
+                Err(e) => return Err(DbError::sql("creating nexuscrm_schema", e)),
+            }
+        }
         let row = sqlx::query(q.get("schema_read"))
             .bind(component)
             .fetch_optional(self.pool())
