@@ -848,7 +848,17 @@ async fn readyz_follows_the_database_within_three_seconds() {
     };
     let took = cut_at.elapsed();
     assert_eq!(code, 503, "{body}");
-    assert!(body.contains("database"), "{body}");
+    // A controller may notice first (its LISTEN connection died): the database check says so
+    // too within the same bound.
+    let mut body = body;
+    while !body.contains("database") {
+        assert!(
+            cut_at.elapsed() < Duration::from_secs(5),
+            "the database check never failed: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        body = get(w.port, "/readyz").unwrap().1;
+    }
     // The stated bound is 3 s (2 s probe timeout + 1 s shared answer); 2 s of slack for a
     // loaded machine.
     assert!(
