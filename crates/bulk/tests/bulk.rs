@@ -614,26 +614,39 @@ async fn one_worker_life(
     crashed
 }
 
+/// A migrated, owned Bulk store on a manual clock, with `lease` and `max_attempts`.
+async fn bulk_on_manual_clock(
+    t: &TestDb,
+    lease: Duration,
+    max_attempts: u32,
+) -> (Bulk, Arc<nexuscrm_worker_test::ManualClock>) {
+    let clock = nexuscrm_worker_test::ManualClock::at(std::time::SystemTime::now());
+    let bulk = Bulk::open(
+        t.db.clone(),
+        1,
+        BulkOptions::default()
+            .config(
+                test_config()
+                    .lease(lease)
+                    .default_max_attempts(max_attempts),
+            )
+            .clock(clock.clone()),
+    )
+    .await
+    .unwrap();
+    bulk.take_ownership("test").await.unwrap();
+    (bulk, clock)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_that_progresses_on_every_claim_is_never_poisoned_by_worker_crashes() {
     use nexuscrm_worker::fault::CrashPoint;
-    use nexuscrm_worker_test::ManualClock;
     for d in DIALECTS {
         let Some(t) = TestDb::create(d, "progress").await else {
             continue;
         };
-        let clock = ManualClock::at(std::time::SystemTime::now());
         let lease = Duration::from_secs(10);
-        let bulk = Bulk::open(
-            t.db.clone(),
-            1,
-            BulkOptions::default()
-                .config(test_config().lease(lease).default_max_attempts(3))
-                .clock(clock.clone()),
-        )
-        .await
-        .unwrap();
-        bulk.take_ownership("test").await.unwrap();
+        let (bulk, clock) = bulk_on_manual_clock(&t, lease, 3).await;
         let id = bulk.submit(job(0, 10, 1)).await.unwrap().job;
         // Eight workers in a row (more than max_attempts) each commit one segment and die.
         for life in 1..=8 {
@@ -670,23 +683,12 @@ async fn a_job_that_progresses_on_every_claim_is_never_poisoned_by_worker_crashe
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_workers_always_die_before_progress_is_poisoned_and_an_operator_retries_it() {
     use nexuscrm_worker::fault::CrashPoint;
-    use nexuscrm_worker_test::ManualClock;
     for d in DIALECTS {
         let Some(t) = TestDb::create(d, "stalled").await else {
             continue;
         };
-        let clock = ManualClock::at(std::time::SystemTime::now());
         let lease = Duration::from_secs(10);
-        let bulk = Bulk::open(
-            t.db.clone(),
-            1,
-            BulkOptions::default()
-                .config(test_config().lease(lease).default_max_attempts(3))
-                .clock(clock.clone()),
-        )
-        .await
-        .unwrap();
-        bulk.take_ownership("test").await.unwrap();
+        let (bulk, clock) = bulk_on_manual_clock(&t, lease, 3).await;
         let id = bulk.submit(job(0, 4, 2)).await.unwrap().job;
         // One segment commits, then three workers in a row die before their first commit.
         assert!(one_worker_life(&t, &clock, 3, Some(CrashPoint::AfterEffect)).await);

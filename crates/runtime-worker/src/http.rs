@@ -277,15 +277,7 @@ async fn serve_one(
 }
 
 fn truncate(s: &str) -> String {
-    const MAX: usize = 80;
-    if s.len() <= MAX {
-        return s.to_owned();
-    }
-    let mut end = MAX;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}… ({} bytes)", &s[..end], s.len())
+    crate::echo(s, 80)
 }
 
 #[cfg(test)]

@@ -591,7 +591,7 @@ fn parse_csv(input: impl std::io::Read, name: &str) -> Result<Vec<RowInput>, Any
         if !seen.insert(h) {
             return Err(format!(
                 "{name}:1: the CSV header names column {:?} twice: every column must be distinct",
-                echo(h)
+                echo(h, 64)
             )
             .into());
         }
@@ -653,13 +653,13 @@ fn read_jsonl(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
     Ok(rows)
 }
 
-/// `input` shortened for an error message: a 1 MB key is not echoed whole.
-fn echo(input: &str) -> String {
-    const MAX: usize = 64;
-    if input.len() <= MAX {
+/// `input` shortened to at most `max` bytes (on a character boundary) for a message: a 1 MB
+/// key is not echoed whole.
+pub(crate) fn echo(input: &str, max: usize) -> String {
+    if input.len() <= max {
         return input.to_owned();
     }
-    let mut end = MAX;
+    let mut end = max;
     while !input.is_char_boundary(end) {
         end -= 1;
     }
