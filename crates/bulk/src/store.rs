@@ -5,7 +5,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
-use nexuscrm_persistence::support::{is_unique_violation, text, to_ms};
+use nexuscrm_persistence::support::{echo, is_unique_violation, text, to_ms};
 use nexuscrm_persistence::{
     Db, DbError, Dialect, DialectQueries, Fence, GenerationProbe, Migration, Queries, WriteError,
 };
@@ -204,6 +204,7 @@ pub struct Submitted {
 #[derive(Debug)]
 pub struct BulkError {
     kind: BulkErrorKind,
+    row: Option<usize>,
     message: String,
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
 }
@@ -234,16 +235,21 @@ impl BulkError {
     fn new(kind: BulkErrorKind, message: impl Into<String>) -> Self {
         BulkError {
             kind,
+            row: None,
             message: message.into(),
             source: None,
         }
     }
 
     fn invalid(message: impl Into<String>) -> Self {
+        BulkError::new(BulkErrorKind::Invalid, message)
+    }
+
+    /// An invalid row: `index` is its place in [`NewJob::rows`] (from 0).
+    fn invalid_row(index: usize, message: impl Into<String>) -> Self {
         BulkError {
-            kind: BulkErrorKind::Invalid,
-            message: message.into(),
-            source: None,
+            row: Some(index),
+            ..BulkError::invalid(message)
         }
     }
 
@@ -255,6 +261,7 @@ impl BulkError {
         };
         BulkError {
             kind,
+            row: None,
             message: format!("{context}: {e}"),
             source: Some(Box::new(e)),
         }
@@ -263,6 +270,7 @@ impl BulkError {
     fn db(context: &str, e: impl std::error::Error + Send + Sync + 'static) -> Self {
         BulkError {
             kind: BulkErrorKind::Database,
+            row: None,
             message: format!("{context}: {e}"),
             source: Some(Box::new(e)),
         }
@@ -273,10 +281,26 @@ impl BulkError {
     pub fn kind(&self) -> BulkErrorKind {
         self.kind
     }
+
+    /// For an invalid row, its index in [`NewJob::rows`] (from 0), so a caller that read the
+    /// rows from a file can name the file and line; the display says `row N` (from 1).
+    #[must_use]
+    pub fn row(&self) -> Option<usize> {
+        self.row
+    }
+
+    /// The message without the `row N: ` prefix of an invalid row.
+    #[must_use]
+    pub fn detail(&self) -> &str {
+        &self.message
+    }
 }
 
 impl fmt::Display for BulkError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(i) = self.row {
+            write!(f, "row {}: ", i + 1)?;
+        }
         f.write_str(&self.message)
     }
 }
@@ -293,6 +317,7 @@ impl From<Crash> for BulkError {
     fn from(c: Crash) -> Self {
         BulkError {
             kind: BulkErrorKind::Crashed,
+            row: None,
             message: c.to_string(),
             source: Some(Box::new(c)),
         }
@@ -515,17 +540,20 @@ impl Bulk {
         let key = &job.idempotency_key;
         if key.is_empty() || key.len() > 255 || key.chars().any(char::is_control) {
             return Err(BulkError::invalid(format!(
-                "idempotency key {key:?} must be 1 to 255 characters without control characters"
+                "idempotency key {:?} must be 1 to 255 characters without control characters",
+                echo(key, 80)
             )));
         }
         if job.rows.is_empty() {
             return Err(BulkError::invalid(format!(
-                "job {key:?} has no rows: an empty job is rejected"
+                "job {:?} has no rows: an empty job is rejected",
+                echo(key, 80)
             )));
         }
         if job.rows.len() > MAX_ROWS {
             return Err(BulkError::invalid(format!(
-                "job {key:?} has {} rows; at most {MAX_ROWS} are accepted",
+                "job {:?} has {} rows; at most {MAX_ROWS} are accepted",
+                echo(key, 80),
                 job.rows.len()
             )));
         }
@@ -548,18 +576,22 @@ impl Bulk {
         for (i, row) in job.rows.iter().enumerate() {
             let k = &row.record_key;
             if k.is_empty() || k.len() > 255 || k.chars().any(char::is_control) {
-                return Err(BulkError::invalid(format!(
-                    "row {i}: record key {k:?} must be 1 to 255 characters without control \
-                     characters"
-                )));
+                return Err(BulkError::invalid_row(
+                    i,
+                    format!(
+                        "record key {:?} must be 1 to 255 characters without control characters",
+                        echo(k, 80)
+                    ),
+                ));
             }
             let size = serde_json::to_string(&row.fields)
                 .map(|s| s.len())
                 .unwrap_or(0);
             if size > 64 * 1024 {
-                return Err(BulkError::invalid(format!(
-                    "row {i}: fields are {size} bytes; at most 65536 are accepted"
-                )));
+                return Err(BulkError::invalid_row(
+                    i,
+                    format!("fields are {size} bytes; at most 65536 are accepted"),
+                ));
             }
         }
         Ok((i64::from(segment), i64::from(attempts)))
@@ -592,7 +624,9 @@ impl Bulk {
             })
             .collect();
         let key = job.idempotency_key.clone();
+        let digest = content_digest(&rows);
         let never = CancellationToken::new();
+        let mine = digest.clone();
         let outcome = inner
             .db
             .write(&never, move |c| {
@@ -602,10 +636,7 @@ impl Bulk {
                         .fetch_optional(&mut *c)
                         .await?
                     {
-                        return Ok(Submitted {
-                            job: JobId(row.try_get(0)?),
-                            created: false,
-                        });
+                        return Ok(Existing::Found(row.try_get(0)?, text(&row, 1)?));
                     }
                     sqlx::query(q.get("job_insert"))
                         .bind(&key)
@@ -615,6 +646,7 @@ impl Bulk {
                         .bind(segment)
                         .bind(now)
                         .bind(now)
+                        .bind(&mine)
                         .execute(&mut *c)
                         .await?;
                     let id: i64 = sqlx::query(q.get("job_by_key"))
@@ -623,30 +655,52 @@ impl Bulk {
                         .await?
                         .try_get(0)?;
                     insert_inputs(c, dialect, q, id, &rows).await?;
-                    Ok(Submitted {
-                        job: JobId(id),
-                        created: true,
-                    })
+                    Ok(Existing::Created(id))
                 })
             })
             .await;
-        let submitted = match outcome {
-            Ok(s) => s,
+        let existing = match outcome {
+            Ok(Existing::Created(id)) => Err(id),
+            Ok(Existing::Found(id, stored)) => Ok((id, stored)),
             Err(WriteError::NotCommitted(e)) if is_unique_violation(&e) => {
-                // A concurrent submit with the same key won: return its job.
-                let id: i64 = sqlx::query(q.get("job_by_key"))
+                // A concurrent submit with the same key won: compare against its job.
+                let row = sqlx::query(q.get("job_by_key"))
                     .bind(&job.idempotency_key)
                     .fetch_one(inner.db.pool())
                     .await
-                    .map_err(|e| BulkError::db("reading the existing job", e))?
+                    .map_err(|e| BulkError::db("reading the existing job", e))?;
+                let id: i64 = row
                     .try_get(0)
                     .map_err(|e| BulkError::db("decoding the job id", e))?;
-                Submitted {
-                    job: JobId(id),
-                    created: false,
-                }
+                let stored =
+                    text(&row, 1).map_err(|e| BulkError::db("decoding the job digest", e))?;
+                Ok((id, stored))
             }
             Err(e) => return Err(BulkError::write("accepting the bulk job", e)),
+        };
+        let submitted = match existing {
+            Err(id) => Submitted {
+                job: JobId(id),
+                created: true,
+            },
+            // '' is a job accepted before digests were stored: nothing to compare against.
+            Ok((id, stored)) if stored.is_empty() || stored == digest => Submitted {
+                job: JobId(id),
+                created: false,
+            },
+            Ok((id, stored)) => {
+                return Err(BulkError::new(
+                    BulkErrorKind::Conflict,
+                    format!(
+                        "idempotency key {} is already used by job {id} with other rows \
+                         (content digest {} here, {} stored): use a new key for new content, \
+                         or submit the same rows again",
+                        echo(&job.idempotency_key, 80),
+                        &digest[..12],
+                        echo(&stored, 12),
+                    ),
+                ));
+            }
         };
         inner.faults.hit(CrashPoint::AfterAcceptance)?;
         if let Some(w) = inner.waker.get() {
@@ -823,6 +877,30 @@ fn decode_status(r: &sqlx::any::AnyRow) -> Result<JobStatus, sqlx::Error> {
         last_error: Some(text(r, 9)?).filter(|e| !e.is_empty()),
         stalled_claims: r.try_get(11)?,
     })
+}
+
+/// What a submit's transaction found for its idempotency key.
+enum Existing {
+    /// A new job, with its id.
+    Created(i64),
+    /// A job already had the key: its id and content digest.
+    Found(i64, String),
+}
+
+/// The SHA-256 of a job's rows (each record key and its fields' JSON, length-prefixed, in
+/// order), hex: the content an idempotency key names. The same rows give the same digest in
+/// every process; any other rows give another.
+fn content_digest(rows: &[(String, String)]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update((rows.len() as u64).to_be_bytes());
+    for (key, fields) in rows {
+        h.update((key.len() as u64).to_be_bytes());
+        h.update(key.as_bytes());
+        h.update((fields.len() as u64).to_be_bytes());
+        h.update(fields.as_bytes());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 async fn insert_inputs(

@@ -75,7 +75,21 @@ async fn bad_input_is_rejected_before_acceptance_and_row_failures_are_recorded()
             .submit(NewJob::new("k", vec![RowInput::new("", Map::new())]))
             .await
             .unwrap_err();
-        assert!(e.to_string().contains("row 0: record key"), "{e}");
+        assert!(e.to_string().contains("row 1: record key"), "{e}");
+        assert_eq!((e.row(), e.kind()), (Some(0), BulkErrorKind::Invalid));
+        assert!(e.detail().starts_with("record key"), "{}", e.detail());
+        // A huge key is not echoed whole.
+        let huge = "k".repeat(1_000_000);
+        let e = bulk
+            .submit(NewJob::new(huge.clone(), rows(1, 1)))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().len() < 300, "{} bytes", e.to_string().len());
+        let mut ok = rows(1, 3);
+        ok[2].record_key = huge;
+        let e = bulk.submit(NewJob::new("huge-row", ok)).await.unwrap_err();
+        assert_eq!(e.row(), Some(2));
+        assert!(e.to_string().len() < 300, "{} bytes", e.to_string().len());
         assert_eq!(bulk.list(10).await.unwrap().len(), 0, "{d}: nothing stored");
 
         // The same idempotency key returns the same job.
@@ -83,6 +97,31 @@ async fn bad_input_is_rejected_before_acceptance_and_row_failures_are_recorded()
         let again = bulk.submit(job(2, 10, 5)).await.unwrap();
         assert!(first.created && !again.created);
         assert_eq!(first.job, again.job);
+        // The same key for other rows is refused and changes nothing, whichever rows differ:
+        // one more row, one field value, one record key. Other options are not content.
+        let mut other_segments = job(2, 10, 5);
+        other_segments.segment_size = Some(3);
+        assert_eq!(bulk.submit(other_segments).await.unwrap().job, first.job);
+        let mut changed_field = job(2, 10, 5);
+        changed_field.rows[9]
+            .fields
+            .insert("name".into(), json!("someone else"));
+        let mut changed_key = job(2, 10, 5);
+        changed_key.rows[0].record_key.push('x');
+        for other in [job(2, 11, 5), changed_field, changed_key] {
+            let e = bulk.submit(other).await.unwrap_err();
+            assert_eq!(e.kind(), BulkErrorKind::Conflict, "{d}: {e}");
+            assert!(
+                e.to_string().contains(&format!(
+                    "is already used by job {} with other rows",
+                    first.job
+                )),
+                "{d}: {e}"
+            );
+        }
+        let s = bulk.status(first.job).await.unwrap().unwrap();
+        assert_eq!(s.total_rows, 10, "{d}: the stored job is unchanged");
+        assert_eq!(bulk.list(10).await.unwrap().len(), 1, "{d}");
 
         // Row-level validation: recorded per row, the job still succeeds.
         let mut rows = rows(3, 4);

@@ -23,6 +23,20 @@ pub fn from_ms(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
 
+/// `input` shortened to at most `max` bytes (on a character boundary) for a message, with its
+/// full length: a 1 MB key is never echoed whole into an error or a log line.
+#[must_use]
+pub fn echo(input: &str, max: usize) -> String {
+    if input.len() <= max {
+        return input.to_owned();
+    }
+    let mut end = max;
+    while !input.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &input[..end], input.len())
+}
+
 /// Reads a text column, which MariaDB reports as BLOB through the `Any` driver.
 ///
 /// # Errors

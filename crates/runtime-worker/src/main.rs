@@ -509,14 +509,28 @@ async fn bulk_command(url: &str, command: BulkCommand) -> Result<ExitCode, AnyEr
             segment_size,
         } => {
             let key = key.unwrap_or_else(|| format!("cli-{}", stamp()));
-            let rows = match (sample, file) {
-                (Some(n), None) => sample_rows(&key, n),
-                (None, Some(path)) => read_rows(&path)?,
+            let (rows, source) = match (sample, file) {
+                (Some(n), None) => (sample_rows(&key, n), None),
+                (None, Some(path)) => {
+                    let input = read_rows(&path)?;
+                    (input.rows, Some((path.display().to_string(), input.lines)))
+                }
                 _ => return Err("give --sample N or --file PATH".into()),
             };
             let mut job = NewJob::new(key, rows);
             job.segment_size = segment_size;
-            let s = bulk.submit(job).await?;
+            let s = match bulk.submit(job).await {
+                Ok(s) => s,
+                // A refused row is named by its file and line, as parse errors are.
+                Err(e) => {
+                    return Err(match (e.row(), &source) {
+                        (Some(i), Some((name, lines))) if i < lines.len() => {
+                            format!("{name}:{}: {}", lines[i], e.detail()).into()
+                        }
+                        _ => e.into(),
+                    });
+                }
+            };
             println!("{}", s.job);
             if !s.created {
                 eprintln!("(an existing job with this idempotency key)");
@@ -561,9 +575,17 @@ async fn bulk_command(url: &str, command: BulkCommand) -> Result<ExitCode, AnyEr
     Ok(ExitCode::SUCCESS)
 }
 
+/// Rows read from a file, with the line each one starts on (from 1), so a row the store
+/// refuses is named `file:line` like a parse error.
+#[derive(Debug)]
+struct Input {
+    rows: Vec<RowInput>,
+    lines: Vec<u64>,
+}
+
 /// Rows from a `.csv` file (a header row naming `record_key` and the field columns; every
 /// other column becomes a string field, empty cells are left out) or JSON Lines otherwise.
-fn read_rows(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
+fn read_rows(path: &std::path::Path) -> Result<Input, AnyError> {
     let is_csv = path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("csv"));
@@ -575,7 +597,7 @@ fn read_rows(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
     parse_csv(file, &path.display().to_string())
 }
 
-fn parse_csv(input: impl std::io::Read, name: &str) -> Result<Vec<RowInput>, AnyError> {
+fn parse_csv(input: impl std::io::Read, name: &str) -> Result<Input, AnyError> {
     let mut reader = csv::ReaderBuilder::new()
         .trim(csv::Trim::All)
         .from_reader(input);
@@ -601,12 +623,18 @@ fn parse_csv(input: impl std::io::Read, name: &str) -> Result<Vec<RowInput>, Any
         .position(|h| h == "record_key")
         .ok_or_else(|| format!("{name}: the CSV header has no \"record_key\" column"))?;
     let mut rows = Vec::new();
+    let mut lines = Vec::new();
     for (n, record) in reader.records().enumerate() {
-        // Line n + 2: the header is line 1.
-        let record = record.map_err(|e| format!("{name}:{}: {e}", n + 2))?;
+        // Line n + 2 unless the reader knows better (a quoted field may span lines): the header
+        // is line 1.
+        let record = record.map_err(|e| {
+            let line = e.position().map_or(n as u64 + 2, csv::Position::line);
+            format!("{name}:{line}: {e}")
+        })?;
+        let line = record.position().map_or(n as u64 + 2, csv::Position::line);
         let key = record.get(key_col).unwrap_or_default();
         if key.is_empty() {
-            return Err(format!("{name}:{}: empty record_key", n + 2).into());
+            return Err(format!("{name}:{line}: empty record_key").into());
         }
         let mut fields = Map::new();
         for (i, value) in record.iter().enumerate() {
@@ -615,56 +643,48 @@ fn parse_csv(input: impl std::io::Read, name: &str) -> Result<Vec<RowInput>, Any
             }
         }
         rows.push(RowInput::new(key, fields));
+        lines.push(line);
     }
-    Ok(rows)
+    Ok(Input { rows, lines })
 }
 
-fn read_jsonl(path: &std::path::Path) -> Result<Vec<RowInput>, AnyError> {
+fn read_jsonl(path: &std::path::Path) -> Result<Input, AnyError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    parse_jsonl(&text, &path.display().to_string())
+}
+
+/// JSON Lines rows: one `{"record_key": "...", "fields": {...}}` per non-blank line.
+fn parse_jsonl(text: &str, name: &str) -> Result<Input, AnyError> {
     // A byte-order mark is accepted, as it is for CSV.
-    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut rows = Vec::new();
+    let mut lines = Vec::new();
     for (n, line) in text
         .lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
     {
-        let v: Value = serde_json::from_str(line)
-            .map_err(|e| format!("{}:{}: not JSON: {e}", path.display(), n + 1))?;
-        let key = v.get("record_key").and_then(Value::as_str).ok_or_else(|| {
-            format!(
-                "{}:{}: missing string \"record_key\"",
-                path.display(),
-                n + 1
-            )
-        })?;
+        let v: Value =
+            serde_json::from_str(line).map_err(|e| format!("{}:{}: not JSON: {e}", name, n + 1))?;
+        let key = v
+            .get("record_key")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("{}:{}: missing string \"record_key\"", name, n + 1))?;
         let fields = match v.get("fields") {
             Some(Value::Object(m)) => m.clone(),
             None => Map::new(),
             Some(_) => {
-                return Err(
-                    format!("{}:{}: \"fields\" must be an object", path.display(), n + 1).into(),
-                );
+                return Err(format!("{}:{}: \"fields\" must be an object", name, n + 1).into());
             }
         };
         rows.push(RowInput::new(key, fields));
+        lines.push(n as u64 + 1);
     }
-    Ok(rows)
+    Ok(Input { rows, lines })
 }
 
-/// `input` shortened to at most `max` bytes (on a character boundary) for a message: a 1 MB
-/// key is not echoed whole.
-pub(crate) fn echo(input: &str, max: usize) -> String {
-    if input.len() <= max {
-        return input.to_owned();
-    }
-    let mut end = max;
-    while !input.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}… ({} bytes)", &input[..end], input.len())
-}
+pub(crate) use nexuscrm_persistence::support::echo;
 
 /// The demo's schedules: names unique to this run, deleted at the end.
 fn demo_schedules(run_id: u128) -> Vec<NewSchedule> {
@@ -861,7 +881,7 @@ mod tests {
     #[test]
     fn csv_rows_map_the_header_to_fields_and_reject_bad_input() {
         let csv = "record_key,name,email\nacct-1,Acme,ops@acme.test\n\"acct,2\",\"Quote, Inc\",\n";
-        let rows = parse_csv(csv.as_bytes(), "t.csv").unwrap();
+        let rows = parse_csv(csv.as_bytes(), "t.csv").unwrap().rows;
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0].record_key, "acct-1");
         assert_eq!(rows[0].fields["email"], "ops@acme.test");
@@ -909,9 +929,11 @@ mod tests {
             "\u{feff}{\"record_key\": \"k1\", \"fields\": {\"a\": 1}}\n{\"record_key\": \"k2\"}\n",
         )
         .unwrap();
-        let rows = read_jsonl(&path).unwrap();
+        let input = read_jsonl(&path).unwrap();
         let _ = std::fs::remove_file(&path);
+        let rows = input.rows;
         assert_eq!(rows.len(), 2);
+        assert_eq!(input.lines, [1, 2]);
         assert_eq!(rows[0].record_key, "k1");
     }
 
@@ -933,8 +955,9 @@ mod tests {
         #[test]
         fn csv_input_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
             match parse_csv(&bytes[..], "in.csv") {
-                Ok(rows) => {
-                    for r in rows {
+                Ok(input) => {
+                    proptest::prop_assert_eq!(input.rows.len(), input.lines.len());
+                    for r in input.rows {
                         proptest::prop_assert!(!r.record_key.is_empty());
                     }
                 }
@@ -942,6 +965,43 @@ mod tests {
                     let e = e.to_string();
                     proptest::prop_assert!(e.starts_with("in.csv"), "{e}");
                 }
+            }
+        }
+
+        /// Any text as JSON Lines: rows, each with its line, or a clear `file:line` refusal;
+        /// never a panic.
+        #[test]
+        fn json_lines_input_never_panics(text in "(\\PC|\n|[{}\":,])*") {
+            match parse_jsonl(&text, "in.jsonl") {
+                Ok(input) => {
+                    proptest::prop_assert_eq!(input.rows.len(), input.lines.len());
+                    let total = text.lines().count() as u64;
+                    proptest::prop_assert!(input.lines.iter().all(|l| (1..=total).contains(l)));
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    proptest::prop_assert!(e.starts_with("in.jsonl:"), "{e}");
+                }
+            }
+        }
+
+        /// JSON Lines written from arbitrary keys and field values parse back exactly, each row
+        /// with its line.
+        #[test]
+        fn json_lines_rows_round_trip(
+            keys in proptest::collection::vec("\\PC{1,12}", 1..6),
+            value in proptest::prelude::any::<i64>(),
+        ) {
+            let text: String = keys
+                .iter()
+                .map(|k| format!("{}\n", json!({"record_key": k, "fields": {"n": value}})))
+                .collect();
+            let input = parse_jsonl(&text, "r.jsonl").unwrap();
+            proptest::prop_assert_eq!(input.rows.len(), keys.len());
+            for (i, (row, key)) in input.rows.iter().zip(&keys).enumerate() {
+                proptest::prop_assert_eq!(&row.record_key, key);
+                proptest::prop_assert_eq!(&row.fields["n"], &json!(value));
+                proptest::prop_assert_eq!(input.lines[i], i as u64 + 1);
             }
         }
 

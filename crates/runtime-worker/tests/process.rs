@@ -911,3 +911,107 @@ async fn usage_errors_exit_one_help_exits_zero_and_retry_refuses_a_job_that_is_n
     assert!(err.contains("not poisoned"), "{err}");
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_names_a_refused_row_by_file_and_line_and_refuses_a_key_reused_for_other_rows() {
+    let t = TestDb::create(Dialect::Sqlite, "fileline").await.unwrap();
+    let dir = std::env::temp_dir().join(format!("nexuscrm-fileline-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Line 3 (after a blank line) holds a key the store refuses: too long.
+    let bad = dir.join("bad.jsonl");
+    let long_key = "k".repeat(300);
+    std::fs::write(
+        &bad,
+        format!(
+            "{{\"record_key\": \"a\"}}\n\n{{\"record_key\": \"{long_key}\"}}\n{{\"record_key\": \"b\"}}\n"
+        ),
+    )
+    .unwrap();
+    let (ok, _, err) = cli(
+        &t.url,
+        &[
+            "bulk",
+            "submit",
+            "--key",
+            "f1",
+            "--file",
+            bad.to_str().unwrap(),
+        ],
+    );
+    assert!(!ok);
+    assert!(
+        err.contains(&format!("{}:3: record key", bad.display())),
+        "{err}"
+    );
+    let csv = dir.join("bad.csv");
+    std::fs::write(&csv, format!("record_key,name\na,x\n{long_key},y\n")).unwrap();
+    let (ok, _, err) = cli(
+        &t.url,
+        &[
+            "bulk",
+            "submit",
+            "--key",
+            "f2",
+            "--file",
+            csv.to_str().unwrap(),
+        ],
+    );
+    assert!(!ok);
+    assert!(
+        err.contains(&format!("{}:3: record key", csv.display())),
+        "{err}"
+    );
+    // A key reused with another file: refused with exit 1, the first job unchanged.
+    let one = dir.join("one.jsonl");
+    std::fs::write(&one, "{\"record_key\": \"a\"}\n").unwrap();
+    let two = dir.join("two.jsonl");
+    std::fs::write(&two, "{\"record_key\": \"a\"}\n{\"record_key\": \"b\"}\n").unwrap();
+    let (ok, id, _) = cli(
+        &t.url,
+        &[
+            "bulk",
+            "submit",
+            "--key",
+            "k",
+            "--file",
+            one.to_str().unwrap(),
+        ],
+    );
+    assert!(ok);
+    let (ok, again, err) = cli(
+        &t.url,
+        &[
+            "bulk",
+            "submit",
+            "--key",
+            "k",
+            "--file",
+            one.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        ok && again == id,
+        "the same file again is the same job: {err}"
+    );
+    let out = Command::new(BIN)
+        .args([
+            "--database-url",
+            &t.url,
+            "bulk",
+            "submit",
+            "--key",
+            "k",
+            "--file",
+        ])
+        .arg(&two)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is already used by job"), "{err}");
+    let db = Db::connect(&t.url).await.unwrap();
+    assert_eq!(scalar(&db, "SELECT COUNT(*) FROM bulk_input").await, 1);
+    db.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    t.drop_database().await;
+}

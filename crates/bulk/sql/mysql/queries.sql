@@ -5,10 +5,10 @@
 -- Times are epoch milliseconds from the worker's clock.
 
 -- name: job_by_key
-SELECT id FROM bulk_job WHERE idempotency_key = ?
+SELECT id, content_digest FROM bulk_job WHERE idempotency_key = ?
 -- name: job_insert
-INSERT INTO bulk_job (idempotency_key, state, max_attempts, run_at, total_rows, segment_size, created_at, updated_at)
-VALUES (?, 'pending', ?, ?, ?, ?, ?, ?)
+INSERT INTO bulk_job (idempotency_key, state, max_attempts, run_at, total_rows, segment_size, created_at, updated_at, content_digest)
+VALUES (?, 'pending', ?, ?, ?, ?, ?, ?, ?)
 -- name: input_insert_prefix
 INSERT INTO bulk_input (job_id, ordinal, record_key, fields) VALUES
 
