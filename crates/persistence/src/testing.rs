@@ -246,3 +246,79 @@ impl TestDb {
         }
     }
 }
+
+/// A TCP proxy in front of a database server that a test or the chaos suite can cut and
+/// restore: a cut closes every open connection and black-holes new ones (accepted, never
+/// answered, like a dead host); a restore frees them. Point a URL at [`CutProxy::port`]
+/// instead of the server's.
+#[derive(Debug)]
+pub struct CutProxy {
+    port: u16,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    epoch: std::sync::Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl CutProxy {
+    /// Listens on a free loopback port and forwards to `127.0.0.1:upstream`. Must run inside
+    /// a tokio runtime, which carries its tasks.
+    ///
+    /// # Errors
+    ///
+    /// When no loopback port can be bound.
+    pub async fn start(upstream: u16) -> std::io::Result<CutProxy> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (tx, _) = tokio::sync::watch::channel(0u64);
+        let epoch = std::sync::Arc::new(tx);
+        let (c, e) = (cut.clone(), epoch.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                let cut = c.clone();
+                let mut changed = e.subscribe();
+                tokio::spawn(async move {
+                    if cut.load(Ordering::SeqCst) {
+                        // Black hole: hold the connection, answer nothing.
+                        let _ = changed.changed().await;
+                        return;
+                    }
+                    let Ok(mut outbound) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = changed.changed() => {}
+                    }
+                });
+            }
+        });
+        Ok(CutProxy { port, cut, epoch })
+    }
+
+    /// The loopback port it listens on.
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Cuts (`true`) or restores (`false`) the database; either way every open connection
+    /// through the proxy ends.
+    pub fn set_cut(&self, on: bool) {
+        self.cut.store(on, Ordering::SeqCst);
+        self.epoch.send_modify(|g| *g += 1);
+    }
+
+    /// `url` with its `:upstream/` port replaced by the proxy's, or `None` when `url` does not
+    /// name that port.
+    #[must_use]
+    pub fn route(&self, url: &str, upstream: u16) -> Option<String> {
+        let from = format!(":{upstream}/");
+        url.contains(&from)
+            .then(|| url.replacen(&from, &format!(":{}/", self.port), 1))
+    }
+}

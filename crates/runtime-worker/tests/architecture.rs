@@ -31,7 +31,7 @@ fn role(name: &str) -> Option<Role> {
         "nexuscrm-persistence" => Role::Persistence,
         "nexuscrm-bulk" | "nexuscrm-flow" => Role::Family,
         "nexuscrm-runtime-worker" => Role::Process,
-        "nexuscrm-evidence" => Role::Tool,
+        "nexuscrm-evidence" | "nexuscrm-chaos" => Role::Tool,
         _ => return None,
     })
 }

@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_persistence::testing::{CutProxy, TestDb};
 use nexuscrm_persistence::{Db, Dialect, sqlx};
 
 const BIN: &str = env!("CARGO_BIN_EXE_nexuscrm-runtime-worker");
@@ -760,69 +760,13 @@ async fn livez_answers_under_a_flood_of_idle_connections_and_the_limit_is_logged
     t.drop_database().await;
 }
 
-/// A TCP proxy to PostgreSQL that a test can cut (open connections closed, new ones accepted
-/// but never answered, like a dead host) and restore.
-struct Proxy {
-    port: u16,
-    cut: Arc<std::sync::atomic::AtomicBool>,
-    generation: Arc<tokio::sync::watch::Sender<u64>>,
-}
-
-impl Proxy {
-    async fn start(upstream: u16) -> Proxy {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (tx, _) = tokio::sync::watch::channel(0u64);
-        let generation = Arc::new(tx);
-        let (c, g) = (cut.clone(), generation.clone());
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
-                    continue;
-                };
-                let cut = c.clone();
-                let mut changed = g.subscribe();
-                tokio::spawn(async move {
-                    if cut.load(std::sync::atomic::Ordering::SeqCst) {
-                        // Black hole: hold the connection, answer nothing.
-                        let _ = changed.changed().await;
-                        return;
-                    }
-                    let Ok(mut outbound) =
-                        tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
-                    else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = changed.changed() => {}
-                    }
-                });
-            }
-        });
-        Proxy {
-            port,
-            cut,
-            generation,
-        }
-    }
-
-    fn set_cut(&self, on: bool) {
-        self.cut.store(on, std::sync::atomic::Ordering::SeqCst);
-        // Every open connection ends (a cut drops them; a restore frees the black-holed ones).
-        self.generation.send_modify(|g| *g += 1);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_follows_the_database_within_three_seconds() {
     let Some(t) = TestDb::create(Dialect::Postgres, "readydb").await else {
         return;
     };
-    let proxy = Proxy::start(5432).await;
-    assert!(t.url.contains(":5432/"), "{}", t.url);
-    let url = t.url.replace(":5432/", &format!(":{}/", proxy.port));
+    let proxy = CutProxy::start(5432).await.unwrap();
+    let url = proxy.route(&t.url, 5432).expect("a URL on port 5432");
     let mut w = start(&url, &[]);
     let deadline = Instant::now() + Duration::from_secs(30);
     while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
