@@ -218,28 +218,7 @@ impl Db {
     pub async fn connect_with(url: &str, options: DbOptions) -> Result<Db, DbError> {
         sqlx::any::install_default_drivers();
         let shown = redact(url);
-        let dialect = if url.starts_with("sqlite:") {
-            Dialect::Sqlite
-        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Dialect::Postgres
-        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-            Dialect::Mysql
-        } else {
-            return Err(DbError::config(format!(
-                "unsupported database URL {shown:?}: expected sqlite://FILE, postgres://… or mysql://…"
-            )));
-        };
-        let url = if let Some(rest) = url.strip_prefix("mariadb://") {
-            format!("mysql://{rest}")
-        } else if dialect == Dialect::Sqlite && !url.contains("mode=") {
-            let sep = if url.contains('?') { '&' } else { '?' };
-            format!("{url}{sep}mode=rwc")
-        } else {
-            url.to_owned()
-        };
-        let connect_options = AnyConnectOptions::from_str(&url)
-            .map_err(|e| DbError::config(format!("invalid database URL {shown:?}: {e}")))?
-            .disable_statement_logging();
+        let (dialect, connect_options, url) = parse_url(url)?;
         if dialect != Dialect::Sqlite {
             // One direct connection first: a refused connection, an unknown host or a failed
             // login is reported at once, with its cause, instead of as "pool timed out" after
@@ -352,8 +331,99 @@ impl Db {
     }
 }
 
+/// The dialect and connect options `url` names, without connecting: `sqlite:` (created when
+/// missing), `postgres://` / `postgresql://`, `mysql://` / `mariadb://`. Every refusal is a
+/// config error naming the URL with its credentials hidden. Also the URL as connected
+/// (`mariadb://` spelled `mysql://`, SQLite's `mode=rwc`).
+fn parse_url(url: &str) -> Result<(Dialect, AnyConnectOptions, String), DbError> {
+    let shown = redact(url);
+    let dialect = if url.starts_with("sqlite:") {
+        Dialect::Sqlite
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Dialect::Postgres
+    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+        Dialect::Mysql
+    } else {
+        return Err(DbError::config(format!(
+            "unsupported database URL {shown:?}: expected sqlite://FILE, postgres://… or mysql://…"
+        )));
+    };
+    let url = if let Some(rest) = url.strip_prefix("mariadb://") {
+        format!("mysql://{rest}")
+    } else if dialect == Dialect::Sqlite && !url.contains("mode=") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}mode=rwc")
+    } else {
+        url.to_owned()
+    };
+    let connect_options = AnyConnectOptions::from_str(&url)
+        .map_err(|e| DbError::config(format!("invalid database URL {shown:?}: {e}")))?
+        .disable_statement_logging();
+    Ok((dialect, connect_options, url))
+}
+
 /// Whether a `SELECT VERSION()` string is TiDB's (e.g. `8.0.11-TiDB-v7.5.0`).
 #[must_use]
 pub fn is_tidb_version(version: &str) -> bool {
     version.contains("TiDB")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Cases per arbitrary-input property: `NEXUSCRM_PROPTEST_CASES` (the documented full run
+    /// uses 100,000), 2,000 by default.
+    fn arbitrary_cases() -> proptest::test_runner::Config {
+        let cases = std::env::var("NEXUSCRM_PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2_000);
+        proptest::test_runner::Config::with_cases(cases)
+    }
+
+    #[test]
+    fn urls_name_their_dialect_and_unsupported_ones_are_refused() {
+        sqlx::any::install_default_drivers();
+        for (url, want) in [
+            ("sqlite://x.db", Dialect::Sqlite),
+            ("sqlite::memory:", Dialect::Sqlite),
+            ("postgres://u:p@h:5432/d", Dialect::Postgres),
+            ("postgresql://h/d", Dialect::Postgres),
+            ("mysql://root@h:3306/d", Dialect::Mysql),
+            ("mariadb://root@h/d", Dialect::Mysql),
+        ] {
+            assert_eq!(parse_url(url).map(|p| p.0).ok(), Some(want), "{url}");
+        }
+        let e = parse_url("redis://u:S3cret@h/0").unwrap_err().to_string();
+        assert!(e.contains("unsupported database URL"), "{e}");
+        assert!(!e.contains("S3cret"), "{e}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(arbitrary_cases())]
+
+        /// Any text as a database URL: a dialect or a clear refusal, never a panic, and a
+        /// secret put in it never appears in the refusal.
+        #[test]
+        fn database_urls_never_panic_and_never_show_a_secret(
+            scheme in "(sqlite:|sqlite://|postgres://|postgresql://|mysql://|mariadb://|[a-z]{0,8}://)",
+            rest in "\\PC{0,60}",
+            key in "(password|sslpassword|token)",
+        ) {
+            sqlx::any::install_default_drivers();
+            let secret = "Zq9SecretZq9";
+            for url in [
+                format!("{scheme}{rest}"),
+                format!("{scheme}u:{secret}@{rest}"),
+                format!("{scheme}h/d?{key}={secret}&{rest}"),
+            ] {
+                if let Err(e) = parse_url(&url) {
+                    let e = e.to_string();
+                    proptest::prop_assert!(!e.contains(secret), "{}", e);
+                    proptest::prop_assert!(e.contains("database URL"), "{}", e);
+                }
+            }
+        }
+    }
 }

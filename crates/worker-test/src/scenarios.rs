@@ -1252,9 +1252,29 @@ async fn generation_recovery<A: ScenarioAdapter>(a: &A, signal: Signal) -> Outco
         }));
     }
     h.wait_completed(a, 1).await?;
+    // The item may complete through another path first (a probe that saw the submit before
+    // the break, a backstop): the signal must still be observed and answered, so wait for it
+    // rather than read the snapshot at the instant the item completes.
+    let observed = || {
+        let s = handle.snapshot();
+        match signal {
+            Signal::Change => s.generation_changes >= 1 && s.reconciles.generation_change >= 1,
+            Signal::Loss => s.generation_losses >= 1 && s.reconciles.generation_loss >= 1,
+        }
+    };
+    let waited = wait_for(observed).await;
     cancel.cancel();
     run.await.map_err(e)?.map_err(e)?;
     let snap = handle.snapshot();
+    if waited.is_err() {
+        return Err(format!(
+            "the generation {} was not observed and reconciled within {BOUND:?}: {snap:?}",
+            match signal {
+                Signal::Change => "change",
+                Signal::Loss => "loss",
+            }
+        ));
+    }
     match signal {
         Signal::Change => {
             check(snap.generation_changes >= 1, || {

@@ -26,7 +26,19 @@ fn family() -> impl Strategy<Value = String> {
     "[a-z0-9._-]{1,64}"
 }
 
+/// Cases per arbitrary-input property: `NEXUSCRM_PROPTEST_CASES` (the documented full run uses
+/// 100,000), 2,000 by default.
+fn arbitrary_cases() -> ProptestConfig {
+    let cases = std::env::var("NEXUSCRM_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_000);
+    ProptestConfig::with_cases(cases)
+}
+
 proptest! {
+    #![proptest_config(arbitrary_cases())]
+
     #[test]
     fn every_pair_is_accepted_or_rejected_exactly_as_the_table_says(
         d in durability(), e in effect(), f in family()
