@@ -322,3 +322,48 @@ impl CutProxy {
             .then(|| url.replacen(&from, &format!(":{}/", self.port), 1))
     }
 }
+
+/// Holds table locks that block other sessions' reads, until dropped (the connection is
+/// closed, so the server releases them). See [`lock_tables_against_reads`].
+pub struct ReadLock {
+    _conn: sqlx::AnyConnection,
+}
+
+impl std::fmt::Debug for ReadLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReadLock")
+    }
+}
+
+/// Locks `tables` from a connection of its own so that other sessions cannot even read them:
+/// `LOCK TABLE … IN ACCESS EXCLUSIVE MODE` in a transaction on PostgreSQL, `LOCK TABLES … WRITE`
+/// on MariaDB and MySQL. `Ok(None)` on SQLite, whose WAL readers never wait for a writer.
+///
+/// # Errors
+///
+/// When the connection or the lock fails.
+pub async fn lock_tables_against_reads(
+    db: &Db,
+    tables: &[&str],
+) -> Result<Option<ReadLock>, sqlx::Error> {
+    let sql = match db.dialect() {
+        Dialect::Sqlite => return Ok(None),
+        Dialect::Postgres => format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables.join(", ")),
+        Dialect::Mysql => format!(
+            "LOCK TABLES {}",
+            tables
+                .iter()
+                .map(|t| format!("{t} WRITE"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    // Detached: dropping it closes the connection instead of returning it, locks held, to the
+    // pool.
+    let mut conn = db.pool().acquire().await?.detach();
+    if db.dialect() == Dialect::Postgres {
+        conn.execute("BEGIN").await?;
+    }
+    conn.execute(sql.as_str()).await?;
+    Ok(Some(ReadLock { _conn: conn }))
+}

@@ -586,6 +586,14 @@ impl crate::scenarios::ScenarioAdapter for MemoryScenarios {
         Ok(Box::new(source.worker.store.block().await))
     }
 
+    async fn block_reads(
+        &self,
+        source: &MemorySource,
+    ) -> Result<Option<Box<dyn std::any::Any + Send>>, BoxError> {
+        // The gate blocks reads and writes alike.
+        Ok(Some(Box::new(source.worker.store.block().await)))
+    }
+
     async fn bump_generation(&self, source: &MemorySource) -> Result<bool, BoxError> {
         source.worker.store.bump_generation();
         Ok(true)
