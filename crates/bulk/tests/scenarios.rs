@@ -7,7 +7,9 @@ use std::time::{Duration, SystemTime};
 
 use common::{job, test_config};
 use nexuscrm_bulk::{Bulk, BulkOptions, BulkSource, NewJob};
-use nexuscrm_persistence::testing::{TestDb, lock_tables_against_reads};
+use nexuscrm_persistence::testing::{
+    TestDb, fail_inserts, heal_inserts, lock_tables_against_reads,
+};
 use nexuscrm_persistence::{Dialect, sqlx};
 use nexuscrm_worker::BoxError;
 use nexuscrm_worker_test::scenarios::{self, ScenarioAdapter};
@@ -95,6 +97,16 @@ impl ScenarioAdapter for BulkScenarios {
         )
         .await?;
         Ok(lock.map(|l| Box::new(l) as Box<dyn Any + Send>))
+    }
+
+    async fn break_attempts(&self, source: &BulkSource) -> Result<bool, BoxError> {
+        fail_inserts(source.bulk().db(), "crm_record_change").await?;
+        Ok(true)
+    }
+
+    async fn heal_attempts(&self, source: &BulkSource) -> Result<(), BoxError> {
+        heal_inserts(source.bulk().db(), "crm_record_change").await?;
+        Ok(())
     }
 
     async fn bump_generation(&self, source: &BulkSource) -> Result<bool, BoxError> {

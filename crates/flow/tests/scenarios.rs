@@ -10,7 +10,9 @@ use std::time::{Duration, SystemTime};
 
 use common::test_config;
 use nexuscrm_flow::{Flow, FlowOptions, FlowSource, MisfirePolicy, NewSchedule, Spec};
-use nexuscrm_persistence::testing::{TestDb, lock_tables_against_reads};
+use nexuscrm_persistence::testing::{
+    TestDb, fail_inserts, heal_inserts, lock_tables_against_reads,
+};
 use nexuscrm_persistence::{Dialect, sqlx};
 use nexuscrm_worker::BoxError;
 use nexuscrm_worker_test::scenarios::{self, ScenarioAdapter};
@@ -104,6 +106,16 @@ impl ScenarioAdapter for FlowScenarios {
         )
         .await?;
         Ok(lock.map(|l| Box::new(l) as Box<dyn Any + Send>))
+    }
+
+    async fn break_attempts(&self, source: &FlowSource) -> Result<bool, BoxError> {
+        fail_inserts(source.flow().db(), "flow_run").await?;
+        Ok(true)
+    }
+
+    async fn heal_attempts(&self, source: &FlowSource) -> Result<(), BoxError> {
+        heal_inserts(source.flow().db(), "flow_run").await?;
+        Ok(())
     }
 
     async fn bump_generation(&self, source: &FlowSource) -> Result<bool, BoxError> {

@@ -367,3 +367,75 @@ pub async fn lock_tables_against_reads(
     conn.execute(sql.as_str()).await?;
     Ok(Some(ReadLock { _conn: conn }))
 }
+
+/// Makes every insert into `table` fail with a real store error ("injected store error"), by
+/// a trigger, until [`heal_inserts`]: a family's own attempt then meets the error a full disk
+/// or a constraint would give it, inside its own transaction.
+///
+/// # Errors
+///
+/// When the trigger cannot be created.
+pub async fn fail_inserts(db: &Db, table: &str) -> Result<(), sqlx::Error> {
+    let name = format!("nexuscrm_fail_{table}");
+    // Plain (unprepared) statements: MariaDB does not prepare CREATE TRIGGER.
+    match db.dialect() {
+        Dialect::Sqlite => {
+            db.pool()
+                .execute(
+                    format!(
+                        "CREATE TRIGGER {name} BEFORE INSERT ON {table} \
+                         BEGIN SELECT RAISE(ABORT, 'injected store error'); END"
+                    )
+                    .as_str(),
+                )
+                .await?;
+        }
+        Dialect::Postgres => {
+            db.pool()
+                .execute(
+                    format!(
+                        "CREATE OR REPLACE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql \
+                         AS $$ BEGIN RAISE EXCEPTION 'injected store error'; END $$"
+                    )
+                    .as_str(),
+                )
+                .await?;
+            db.pool()
+                .execute(
+                    format!(
+                        "CREATE TRIGGER {name} BEFORE INSERT ON {table} \
+                         FOR EACH ROW EXECUTE FUNCTION {name}()"
+                    )
+                    .as_str(),
+                )
+                .await?;
+        }
+        Dialect::Mysql => {
+            db.pool()
+                .execute(
+                    format!(
+                        "CREATE TRIGGER {name} BEFORE INSERT ON {table} FOR EACH ROW \
+                         SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'injected store error'"
+                    )
+                    .as_str(),
+                )
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Undoes [`fail_inserts`].
+///
+/// # Errors
+///
+/// When the trigger cannot be dropped.
+pub async fn heal_inserts(db: &Db, table: &str) -> Result<(), sqlx::Error> {
+    let name = format!("nexuscrm_fail_{table}");
+    let sql = match db.dialect() {
+        Dialect::Postgres => format!("DROP TRIGGER IF EXISTS {name} ON {table}"),
+        _ => format!("DROP TRIGGER IF EXISTS {name}"),
+    };
+    db.pool().execute(sql.as_str()).await?;
+    Ok(())
+}

@@ -64,6 +64,7 @@ pub struct MemoryStore {
     gate: Arc<RwLock<()>>,
     generation: AtomicU64,
     generation_broken: AtomicBool,
+    attempts_broken: AtomicBool,
     generation_notify: Notify,
 }
 
@@ -78,6 +79,7 @@ impl MemoryStore {
             gate: Arc::new(RwLock::new(())),
             generation: AtomicU64::new(0),
             generation_broken: AtomicBool::new(false),
+            attempts_broken: AtomicBool::new(false),
             generation_notify: Notify::new(),
         }
     }
@@ -86,6 +88,11 @@ impl MemoryStore {
     /// another connection).
     pub async fn block(&self) -> OwnedRwLockWriteGuard<()> {
         self.gate.clone().write_owned().await
+    }
+
+    /// Makes every attempt's effect fail, as a store error would (`false` heals it).
+    pub fn break_attempts(&self, broken: bool) {
+        self.attempts_broken.store(broken, SeqCst);
     }
 
     /// Bumps the generation cursor, as a producer in another process would.
@@ -419,6 +426,14 @@ impl Attempt for MemoryAttempt {
         }
         f.hit(CrashPoint::BeforeDisposition)
             .map_err(AttemptError::new)?;
+        if w.store.attempts_broken.load(SeqCst) {
+            // The "transaction" fails: nothing applied, the job returns to pending.
+            let mut s = w.store.lock();
+            if self.holds_lease(&s) {
+                s.jobs[self.idx].state = JobState::Pending;
+            }
+            return Err(AttemptError::new("injected store error: rolled back"));
+        }
         {
             // Effect and disposition in one "transaction", fenced by token and generation.
             let mut s = w.store.lock();
@@ -592,6 +607,16 @@ impl crate::scenarios::ScenarioAdapter for MemoryScenarios {
     ) -> Result<Option<Box<dyn std::any::Any + Send>>, BoxError> {
         // The gate blocks reads and writes alike.
         Ok(Some(Box::new(source.worker.store.block().await)))
+    }
+
+    async fn break_attempts(&self, source: &MemorySource) -> Result<bool, BoxError> {
+        source.worker.store.break_attempts(true);
+        Ok(true)
+    }
+
+    async fn heal_attempts(&self, source: &MemorySource) -> Result<(), BoxError> {
+        source.worker.store.break_attempts(false);
+        Ok(())
     }
 
     async fn bump_generation(&self, source: &MemorySource) -> Result<bool, BoxError> {

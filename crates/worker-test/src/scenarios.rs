@@ -78,6 +78,26 @@ pub trait ScenarioAdapter: Send + Sync + 'static {
         async { Ok(None) }
     }
 
+    /// Makes the family's own attempts meet a real store error (for example a trigger that
+    /// refuses the inserts an attempt makes) until [`heal_attempts`](Self::heal_attempts);
+    /// `Ok(false)` (the default) when the adapter cannot.
+    fn break_attempts(
+        &self,
+        source: &Self::Source,
+    ) -> impl Future<Output = Result<bool, BoxError>> + Send {
+        let _ = source;
+        async { Ok(false) }
+    }
+
+    /// Undoes [`break_attempts`](Self::break_attempts).
+    fn heal_attempts(
+        &self,
+        source: &Self::Source,
+    ) -> impl Future<Output = Result<(), BoxError>> + Send {
+        let _ = source;
+        async { Ok(()) }
+    }
+
     /// Changes the generation cursor as a producer in another process would; `Ok(false)` when
     /// the source has no generation probe.
     fn bump_generation(
@@ -1058,6 +1078,75 @@ async fn attempt_failure_shutdown<A: ScenarioAdapter>(a: &A, panic: bool) -> Out
     Ok(None)
 }
 
+/// The family's own attempt meets a real store error with two items in flight: nothing
+/// completes while the store refuses (no half-applied effect is reported done); the
+/// controller either stops (poisoned `AttemptFailed`, or `NotCommitted`) or the family retries the items
+/// itself; either way, once the store heals, both items complete exactly once, through a
+/// restarted controller if the first one stopped.
+async fn attempt_store_error<A: ScenarioAdapter>(a: &A) -> Outcome {
+    let h = Harness::new(a).await?;
+    let src = h.source.inner();
+    a.submit(src, 2).await.map_err(e)?;
+    if !a.break_attempts(src).await.map_err(e)? {
+        return Ok(Some(
+            "the adapter cannot make its attempts fail in the store".into(),
+        ));
+    }
+    let config = a.config().capacity(NonZeroUsize::new(2).expect("2"));
+    let ctl = h.controller(config.clone())?;
+    let handle = ctl.handle();
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(ctl.run(cancel.clone()));
+    // Both items were attempted against the broken store (or the controller stopped).
+    let attempted = wait_for(|| Counts::n(&h.counts.finished) >= 2 || run.is_finished()).await;
+    let done_while_broken = a.completed(src).await.map_err(e)?;
+    let stopped = run.is_finished();
+    cancel.cancel();
+    let out = timeout(BOUND, run)
+        .await
+        .map_err(|_| "the controller did not stop".to_string())?
+        .map_err(e)?;
+    attempted?;
+    check(done_while_broken == 0, || {
+        format!(
+            "{done_while_broken} item(s) reported complete while the store refused every attempt"
+        )
+    })?;
+    check(Counts::n(&h.counts.attempts) >= 2, || {
+        format!(
+            "two items in flight expected, {} attempt(s) claimed",
+            Counts::n(&h.counts.attempts)
+        )
+    })?;
+    match &out {
+        // A failed attempt fail-stops (poisoned); one that proved nothing committed stops
+        // reusable.
+        Err(err) => check(
+            stopped
+                && ((err.kind() == RunErrorKind::AttemptFailed && err.is_poisoned())
+                    || (err.kind() == RunErrorKind::NotCommitted && !err.is_poisoned())),
+            || {
+                format!(
+                    "a failing attempt may only stop as AttemptFailed or NotCommitted, got {err}"
+                )
+            },
+        )?,
+        Ok(_) => check(!handle.is_poisoned(), || "clean stop but poisoned".into())?,
+    }
+    h.counts.agrees_with(&handle.snapshot())?;
+    a.heal_attempts(src).await.map_err(e)?;
+    let again = h.controller(config)?;
+    let cancel = CancellationToken::new();
+    let rerun = tokio::spawn(again.run(cancel.clone()));
+    let healed = h.wait_completed(a, 2).await;
+    cancel.cancel();
+    rerun.await.map_err(e)?.map_err(e)?;
+    healed?;
+    let done = a.completed(src).await.map_err(e)?;
+    check(done == 2, || format!("{done} completions for 2 items"))?;
+    Ok(None)
+}
+
 async fn graceful_drain<A: ScenarioAdapter>(a: &A) -> Outcome {
     let h = Harness::new(a).await?;
     *h.source
@@ -1482,6 +1571,7 @@ pub async fn run_all<A: ScenarioAdapter>(adapter: &A) -> ScenarioReport {
         "attempt-panic-shutdown",
         attempt_failure_shutdown(adapter, true)
     );
+    scenario!("attempt-store-error", attempt_store_error(adapter));
     scenario!("graceful-drain", graceful_drain(adapter));
     scenario!(
         "shutdown-timeout-fail-stop",
