@@ -198,6 +198,7 @@ pub struct Counted<S> {
     inner: S,
     counts: Arc<Counts>,
     steer: Arc<Mutex<Steer>>,
+    reconcile_hold: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl<S> fmt::Debug for Counted<S> {
@@ -215,7 +216,15 @@ impl<S: Source> Counted<S> {
             inner,
             counts: Arc::default(),
             steer: Arc::new(Mutex::new(Steer::Pass)),
+            reconcile_hold: Arc::new(tokio::sync::watch::channel(false).0),
         }
+    }
+
+    /// Holds every `reconcile` call at its start (counted, not yet passed to the wrapped
+    /// source) until released with `false`, or until its cancellation: a reconciliation that
+    /// takes as long as a scenario needs, without blocking the store.
+    pub fn hold_reconciles(&self, hold: bool) {
+        self.reconcile_hold.send_replace(hold);
     }
 
     /// The shared counts.
@@ -377,6 +386,14 @@ impl<S: Source> Source for Counted<S> {
     async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
         self.counts.reconcile.fetch_add(1, SeqCst);
         self.counts.record("reconcile");
+        let mut hold = self.reconcile_hold.subscribe();
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => {
+                return Err(SourceError::not_committed("cancelled while held by the kit"));
+            }
+            _ = hold.wait_for(|held| !*held) => {}
+        }
         self.inner.reconcile(cancel).await
     }
 
@@ -1234,6 +1251,82 @@ async fn reconcile_request_coalescing<A: ScenarioAdapter>(a: &A) -> Outcome {
     Ok(None)
 }
 
+/// Generation changes observed while a reconciliation runs coalesce into exactly one more
+/// reconciliation, whatever their number: five commits by "another process" while the kit holds
+/// a requested reconciliation cost one generation-change reconciliation, not five.
+async fn generation_change_coalescing<A: ScenarioAdapter>(a: &A) -> Outcome {
+    let h = Harness::new(a).await?;
+    let ctl = h.controller(a.config())?;
+    let handle = ctl.handle();
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(ctl.run(cancel.clone()));
+    timeout(BOUND, handle.ready())
+        .await
+        .map_err(|_| "never Ready".to_string())?;
+    wait_for(|| Counts::n(&h.counts.next_work_at) >= 1).await?;
+    settle(&h.counts).await?;
+    let base = handle.snapshot();
+    let before = Counts::n(&h.counts.reconcile);
+    h.source.hold_reconciles(true);
+    handle.request_reconcile();
+    let held = wait_for(|| Counts::n(&h.counts.reconcile) == before + 1).await;
+    let mut supported = held.is_ok();
+    if supported {
+        for _ in 0..5 {
+            if !a.bump_generation(h.source.inner()).await.map_err(e)? {
+                supported = false;
+                break;
+            }
+        }
+    }
+    // Every change is observed while the reconciliation is still held: wait until the probe
+    // has seen at least one and then nothing new for 300 ms.
+    let mut observed = Ok(());
+    if supported {
+        observed =
+            wait_for(|| handle.snapshot().generation_changes > base.generation_changes).await;
+        let mut last = handle.snapshot().generation_changes;
+        let mut quiet_since = Instant::now();
+        let deadline = Instant::now() + BOUND;
+        while quiet_since.elapsed() < Duration::from_millis(300) && Instant::now() < deadline {
+            sleep(Duration::from_millis(20)).await;
+            let now = handle.snapshot().generation_changes;
+            if now != last {
+                last = now;
+                quiet_since = Instant::now();
+            }
+        }
+    }
+    h.source.hold_reconciles(false);
+    if !supported {
+        cancel.cancel();
+        run.await.map_err(e)?.map_err(e)?;
+        held?;
+        return Ok(Some("the source has no generation probe".into()));
+    }
+    observed.map_err(|_| format!("no generation change observed within {BOUND:?}"))?;
+    wait_for(|| Counts::n(&h.counts.reconcile) >= before + 2).await?;
+    settle(&h.counts).await?;
+    let snap = handle.snapshot();
+    cancel.cancel();
+    run.await.map_err(e)?.map_err(e)?;
+    let changes = snap.generation_changes - base.generation_changes;
+    let by_change = snap.reconciles.generation_change - base.reconciles.generation_change;
+    let extra = Counts::n(&h.counts.reconcile) - before;
+    check(by_change == 1, || {
+        format!(
+            "{changes} generation change(s) observed during one reconciliation caused \
+             {by_change} generation-change reconciliation(s), want exactly 1: {:?}",
+            snap.reconciles
+        )
+    })?;
+    check(extra == 2, || {
+        format!("{extra} reconciliations: the requested one and one for the changes, want 2")
+    })?;
+    h.counts.agrees_with(&handle.snapshot())?;
+    Ok(None)
+}
+
 async fn idle_zero_cost<A: ScenarioAdapter>(a: &A) -> Outcome {
     let h = Harness::new(a).await?;
     let ctl = h.controller(a.config())?;
@@ -1588,6 +1681,10 @@ pub async fn run_all<A: ScenarioAdapter>(adapter: &A) -> ScenarioReport {
     scenario!(
         "reconcile-request-coalescing",
         reconcile_request_coalescing(adapter)
+    );
+    scenario!(
+        "generation-change-coalescing",
+        generation_change_coalescing(adapter)
     );
     scenario!("idle-zero-cost", idle_zero_cost(adapter));
     scenario!("retime-without-claim", retime_without_claim(adapter));
