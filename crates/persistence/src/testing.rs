@@ -323,8 +323,8 @@ impl CutProxy {
     }
 }
 
-/// Holds table locks that block other sessions' reads, until dropped (the connection is
-/// closed, so the server releases them). See [`lock_tables_against_reads`].
+/// Holds locks taken from a connection of its own until dropped (the connection is closed, so
+/// the server releases them). See [`lock_tables_against_reads`] and [`lock_rows`].
 pub struct ReadLock {
     _conn: sqlx::AnyConnection,
 }
@@ -366,6 +366,20 @@ pub async fn lock_tables_against_reads(
     }
     conn.execute(sql.as_str()).await?;
     Ok(Some(ReadLock { _conn: conn }))
+}
+
+/// Runs `locking_select` (for example `SELECT id FROM t FOR UPDATE`) in a transaction on a
+/// connection of its own and holds the row locks it took until the guard is dropped, as
+/// another replica's claim would.
+///
+/// # Errors
+///
+/// When the connection or the statement fails.
+pub async fn lock_rows(db: &Db, locking_select: &str) -> Result<ReadLock, sqlx::Error> {
+    let mut conn = db.pool().acquire().await?.detach();
+    conn.execute("BEGIN").await?;
+    conn.execute(locking_select).await?;
+    Ok(ReadLock { _conn: conn })
 }
 
 /// Makes every insert into `table` fail with a real store error ("injected store error"), by

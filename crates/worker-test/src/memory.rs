@@ -65,6 +65,7 @@ pub struct MemoryStore {
     generation: AtomicU64,
     generation_broken: AtomicBool,
     attempts_broken: AtomicBool,
+    held_by_another: AtomicBool,
     generation_notify: Notify,
 }
 
@@ -80,6 +81,7 @@ impl MemoryStore {
             generation: AtomicU64::new(0),
             generation_broken: AtomicBool::new(false),
             attempts_broken: AtomicBool::new(false),
+            held_by_another: AtomicBool::new(false),
             generation_notify: Notify::new(),
         }
     }
@@ -88,6 +90,12 @@ impl MemoryStore {
     /// another connection).
     pub async fn block(&self) -> OwnedRwLockWriteGuard<()> {
         self.gate.clone().write_owned().await
+    }
+
+    /// While `true`, pending jobs are held by "another replica" (row locks a claim skips):
+    /// claims pass them over while `next_work_at` still reports them due.
+    pub fn hold_pending(&self, held: bool) {
+        self.held_by_another.store(held, SeqCst);
     }
 
     /// Makes every attempt's effect fail, as a store error would (`false` heals it).
@@ -305,7 +313,9 @@ impl Source for MemorySource {
                     break;
                 }
                 let eligible = match s.jobs[i].state {
-                    JobState::Pending => s.jobs[i].run_at <= now,
+                    JobState::Pending => {
+                        s.jobs[i].run_at <= now && !w.store.held_by_another.load(SeqCst)
+                    }
                     JobState::Running { lease_until, .. } => lease_until <= now,
                     JobState::Done => false,
                 };
@@ -607,6 +617,20 @@ impl crate::scenarios::ScenarioAdapter for MemoryScenarios {
     ) -> Result<Option<Box<dyn std::any::Any + Send>>, BoxError> {
         // The gate blocks reads and writes alike.
         Ok(Some(Box::new(source.worker.store.block().await)))
+    }
+
+    async fn hold_items(
+        &self,
+        source: &MemorySource,
+    ) -> Result<Option<Box<dyn std::any::Any + Send>>, BoxError> {
+        struct Release(Arc<MemoryStore>);
+        impl Drop for Release {
+            fn drop(&mut self) {
+                self.0.hold_pending(false);
+            }
+        }
+        source.worker.store.hold_pending(true);
+        Ok(Some(Box::new(Release(source.worker.store.clone()))))
     }
 
     async fn break_attempts(&self, source: &MemorySource) -> Result<bool, BoxError> {
