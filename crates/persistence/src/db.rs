@@ -372,14 +372,9 @@ pub fn is_tidb_version(version: &str) -> bool {
 mod tests {
     use super::*;
 
-    /// Cases per arbitrary-input property: `NEXUSCRM_PROPTEST_CASES` (the documented full run
-    /// uses 100,000), 2,000 by default.
+    /// Cases per arbitrary-input property (`NEXUSCRM_PROPTEST_CASES`, 2,000 by default).
     fn arbitrary_cases() -> proptest::test_runner::Config {
-        let cases = std::env::var("NEXUSCRM_PROPTEST_CASES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2_000);
-        proptest::test_runner::Config::with_cases(cases)
+        proptest::test_runner::Config::with_cases(crate::testing::arbitrary_case_count())
     }
 
     #[test]

@@ -453,3 +453,13 @@ pub async fn heal_inserts(db: &Db, table: &str) -> Result<(), sqlx::Error> {
     db.pool().execute(sql.as_str()).await?;
     Ok(())
 }
+
+/// Cases per arbitrary-input property test: `NEXUSCRM_PROPTEST_CASES` (the documented full run
+/// uses 100,000), 2,000 by default (what CI runs).
+#[must_use]
+pub fn arbitrary_case_count() -> u32 {
+    std::env::var("NEXUSCRM_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_000)
+}

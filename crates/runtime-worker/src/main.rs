@@ -937,14 +937,11 @@ mod tests {
         assert_eq!(rows[0].record_key, "k1");
     }
 
-    /// Cases per arbitrary-input property: `NEXUSCRM_PROPTEST_CASES` (the documented full run
-    /// uses 100,000), 2,000 by default.
+    /// Cases per arbitrary-input property (`NEXUSCRM_PROPTEST_CASES`, 2,000 by default).
     fn arbitrary_cases() -> proptest::test_runner::Config {
-        let cases = std::env::var("NEXUSCRM_PROPTEST_CASES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2_000);
-        proptest::test_runner::Config::with_cases(cases)
+        proptest::test_runner::Config::with_cases(
+            nexuscrm_persistence::testing::arbitrary_case_count(),
+        )
     }
 
     proptest::proptest! {

@@ -29,7 +29,7 @@ fn role(name: &str) -> Option<Role> {
         "nexuscrm-worker" => Role::Controller,
         "nexuscrm-worker-test" => Role::Kit,
         "nexuscrm-persistence" => Role::Persistence,
-        "nexuscrm-bulk" | "nexuscrm-flow" => Role::Family,
+        "nexuscrm-bulk" | "nexuscrm-flow" | "nexuscrm-paused" => Role::Family,
         "nexuscrm-runtime-worker" => Role::Process,
         "nexuscrm-evidence" | "nexuscrm-chaos" => Role::Tool,
         _ => return None,
