@@ -15,6 +15,7 @@ use nexuscrm_bulk::{Bulk, BulkOptions, JobId, NewJob, RowInput};
 use nexuscrm_flow::{
     Flow, FlowOptions, FlowRun, MisfirePolicy, NewSchedule, ScheduleId, ScheduleStatus, Spec, spec,
 };
+use nexuscrm_paused::{NewPause, PausedFlow, PausedOptions};
 use nexuscrm_persistence::Db;
 use nexuscrm_worker::{Config, Controller};
 use serde_json::{Map, Value, json};
@@ -96,6 +97,163 @@ enum Command {
         #[command(subcommand)]
         command: ScheduleCommand,
     },
+    /// Paused flow steps: create, list, show, resume, cancel.
+    Pause {
+        #[command(subcommand)]
+        command: PauseCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum PauseCommand {
+    /// Pause a run at a step (as a flow would); prints the pause id and its resume token,
+    /// shown this once.
+    Create {
+        /// The run.
+        run: String,
+        /// The step.
+        step: String,
+        /// How long it waits for a resume: 30s, 5m, 2h, 1d (at most 366 days).
+        #[arg(long, default_value = "1d")]
+        timeout: String,
+        /// The pause's payload, as JSON.
+        #[arg(long, default_value = "{}")]
+        payload: String,
+    },
+    /// The newest pauses, of one state or of all.
+    List {
+        /// Only this state: paused, resumable, timed_out, leased, completed, uncertain,
+        /// poisoned, cancelled.
+        #[arg(long)]
+        state: Option<String>,
+        /// How many.
+        #[arg(long, default_value_t = 20)]
+        limit: i64,
+    },
+    /// One pause with its payloads (never its token).
+    Show {
+        /// The pause id.
+        id: i64,
+    },
+    /// Resume a pause with its token (idempotent: the same token and payload again is
+    /// acknowledged again).
+    Resume {
+        /// The resume token (prt_…).
+        token: String,
+        /// The resume payload, as JSON.
+        #[arg(long, default_value = "{}")]
+        payload: String,
+    },
+    /// Cancel a pause that is still paused.
+    Cancel {
+        /// The pause id.
+        id: i64,
+    },
+}
+
+/// The pause states `pause list --state` accepts.
+const PAUSE_STATES: [&str; 8] = [
+    "paused",
+    "resumable",
+    "timed_out",
+    "leased",
+    "completed",
+    "uncertain",
+    "poisoned",
+    "cancelled",
+];
+
+/// `text` as JSON, refused with the flag's name and the parser's position.
+fn json_arg(flag: &str, text: &str) -> Result<Value, AnyError> {
+    serde_json::from_str(text)
+        .map_err(|e| format!("--{flag} is not JSON ({e}): {:?}", echo(text, 80)).into())
+}
+
+async fn pause_command(url: &str, command: PauseCommand) -> Result<ExitCode, AnyError> {
+    let db = Db::connect(url).await?;
+    let store = PausedFlow::open(db, PausedOptions::default()).await?;
+    match command {
+        PauseCommand::Create {
+            run,
+            step,
+            timeout,
+            payload,
+        } => {
+            let timeout = spec::parse_duration(&timeout)?;
+            let payload = json_arg("payload", &payload)?;
+            let p = store
+                .pause(NewPause::new(run, step, timeout, payload))
+                .await?;
+            println!("{}", p.id);
+            println!("{}", p.token.expose());
+            eprintln!(
+                "(pause {} times out at {}; the token is shown once: keep it)",
+                p.id,
+                spec::format_time(p.timeout_at)
+            );
+        }
+        PauseCommand::List { state, limit } => {
+            if let Some(s) = &state
+                && !PAUSE_STATES.contains(&s.as_str())
+            {
+                return Err(format!(
+                    "unknown state {:?}: one of {}",
+                    echo(s, 40),
+                    PAUSE_STATES.join(", ")
+                )
+                .into());
+            }
+            println!(
+                "{:>6}  {:<10} {:<25} {:<24} run / step",
+                "id", "state", "times out", "resumed"
+            );
+            for p in store.list(state.as_deref(), limit).await? {
+                println!(
+                    "{:>6}  {:<10} {:<25} {:<24} {} / {}",
+                    p.id,
+                    p.state,
+                    spec::format_time(p.timeout_at),
+                    p.resumed_at.map_or_else(|| "-".into(), spec::format_time),
+                    p.run,
+                    p.step
+                );
+            }
+        }
+        PauseCommand::Show { id } => {
+            let p = store
+                .status(id)
+                .await?
+                .ok_or_else(|| format!("no pause {id}"))?;
+            println!(
+                "{}",
+                json!({
+                    "id": p.id,
+                    "run": p.run,
+                    "step": p.step,
+                    "state": p.state,
+                    "payload": p.payload,
+                    "resume_payload": p.resume_payload,
+                    "timeout_at": spec::format_time(p.timeout_at),
+                    "resumed_at": p.resumed_at.map(spec::format_time),
+                    "attempts": p.attempts,
+                    "created_at": spec::format_time(p.created_at),
+                })
+            );
+        }
+        PauseCommand::Resume { token, payload } => {
+            let payload = json_arg("payload", &payload)?;
+            let r = store.resume(&token, &payload).await?;
+            println!("{}", r.id);
+            if !r.first {
+                eprintln!("(already resumed with this payload)");
+            }
+        }
+        PauseCommand::Cancel { id } => {
+            let p = store.cancel(id).await?;
+            println!("pause {} {}", p.id, p.state);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Subcommand, Debug)]
@@ -410,8 +568,9 @@ async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError>
         Command::Migrate => {
             let bulk = open(&url, 1).await?;
             Flow::open(bulk.db().clone(), 1, FlowOptions::default()).await?;
+            PausedFlow::open(bulk.db().clone(), PausedOptions::default()).await?;
             println!(
-                "migrated bulk and flow on {} ({})",
+                "migrated bulk, flow and paused on {} ({})",
                 bulk.db().url(),
                 bulk.db().dialect()
             );
@@ -419,6 +578,7 @@ async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError>
         }
         Command::Bulk { command } => bulk_command(&url, command).await,
         Command::Schedule { command } => schedule_command(&url, command).await,
+        Command::Pause { command } => pause_command(&url, command).await,
         Command::Run { .. } => supervise::run(settings).await,
         Command::Demo { jobs, rows } => demo(&url, jobs, rows).await,
     }

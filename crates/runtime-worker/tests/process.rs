@@ -959,3 +959,116 @@ async fn submit_names_a_refused_row_by_file_and_line_and_refuses_a_key_reused_fo
     let _ = std::fs::remove_dir_all(&dir);
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_commands_resume_once_and_refuse_bad_input_with_nothing_changed() {
+    for dialect in [Dialect::Sqlite, Dialect::Postgres, Dialect::Mysql] {
+        let Some(t) = TestDb::create(dialect, "pausecli").await else {
+            continue;
+        };
+        let (ok, out, err) = cli(
+            &t.url,
+            &[
+                "pause",
+                "create",
+                "run-7",
+                "approve",
+                "--timeout",
+                "1h",
+                "--payload",
+                r#"{"amount": 1200}"#,
+            ],
+        );
+        assert!(ok, "{dialect}: {err}");
+        let mut lines = out.lines();
+        let id = lines.next().unwrap().to_owned();
+        let token = lines.next().unwrap().to_owned();
+        assert!(token.starts_with("prt_") && token.len() == 68, "{token}");
+        let show = |id: &str| {
+            let (ok, out, err) = cli(&t.url, &["pause", "show", id]);
+            assert!(ok, "{err}");
+            assert!(!out.contains(&token[4..]), "show never prints the token");
+            serde_json::from_str::<serde_json::Value>(&out).unwrap()
+        };
+        assert_eq!(show(&id)["state"], "paused", "{dialect}");
+        // Bad input: each a clear error, exit 1, nothing changed.
+        for (args, want) in [
+            (
+                vec!["pause", "resume", &token, "--payload", "{not json"],
+                "--payload is not JSON",
+            ),
+            (
+                vec!["pause", "resume", "prt_guess", "--payload", "{}"],
+                "is not a resume token",
+            ),
+            (
+                vec![
+                    "pause",
+                    "resume",
+                    "prt_0000000000000000000000000000000000000000000000000000000000000000",
+                ],
+                "no pause has this resume token",
+            ),
+            (
+                vec!["pause", "create", "run-7", "approve"],
+                "already paused at step",
+            ),
+            (
+                vec!["pause", "create", "run-8", "s", "--timeout", "999999d"],
+                "is too large",
+            ),
+            (vec!["pause", "list", "--state", "bogus"], "unknown state"),
+            (vec!["pause", "show", "424242"], "no pause 424242"),
+        ] {
+            let out = Command::new(BIN)
+                .args(["--database-url", &t.url])
+                .args(&args)
+                .env_remove("NEXUSCRM_DATABASE_URL")
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{dialect}: {args:?}: {err}");
+            assert!(err.contains(want), "{dialect}: {args:?}: {err}");
+        }
+        let huge = format!(r#"{{"blob": "{}"}}"#, "x".repeat(70 * 1024));
+        let (ok, _, err) = cli(&t.url, &["pause", "resume", &token, "--payload", &huge]);
+        assert!(!ok && err.contains("at most 65536"), "{dialect}: {err}");
+        assert_eq!(show(&id)["state"], "paused", "{dialect}: nothing changed");
+        // Resume, again with the same payload (acknowledged), then with another (refused).
+        let (ok, out, err) = cli(
+            &t.url,
+            &["pause", "resume", &token, "--payload", r#"{"ok": true}"#],
+        );
+        assert!(ok && out.trim() == id, "{dialect}: {err}");
+        let (ok, out, err) = cli(
+            &t.url,
+            &["pause", "resume", &token, "--payload", r#"{"ok": true}"#],
+        );
+        assert!(
+            ok && out.trim() == id && err.contains("already resumed"),
+            "{dialect}: {err}"
+        );
+        let (ok, _, err) = cli(
+            &t.url,
+            &["pause", "resume", &token, "--payload", r#"{"ok": false}"#],
+        );
+        assert!(!ok && err.contains("another payload"), "{dialect}: {err}");
+        let shown = show(&id);
+        assert_eq!(
+            (&shown["state"], &shown["resume_payload"]["ok"]),
+            (&serde_json::json!("resumable"), &serde_json::json!(true)),
+            "{dialect}"
+        );
+        let (ok, out, _) = cli(&t.url, &["pause", "list", "--state", "resumable"]);
+        assert!(ok && out.contains("run-7 / approve"), "{dialect}: {out}");
+        // Cancel: only a paused step.
+        let (ok, out, _) = cli(&t.url, &["pause", "create", "run-9", "s"]);
+        assert!(ok);
+        let other = out.lines().next().unwrap().to_owned();
+        let (ok, out, err) = cli(&t.url, &["pause", "cancel", &other]);
+        assert!(ok && out.contains("cancelled"), "{dialect}: {err}");
+        let (ok, _, err) = cli(&t.url, &["pause", "cancel", &id]);
+        assert!(!ok && err.contains("not paused"), "{dialect}: {err}");
+        t.drop_database().await;
+    }
+}
