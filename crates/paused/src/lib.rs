@@ -13,6 +13,10 @@
 //!   └──cancel──▶ cancelled
 //! ```
 
+pub mod connector;
+
+pub use connector::{Connector, ConnectorError, EffectOutcome, Evidence};
+
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
