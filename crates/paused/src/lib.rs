@@ -14,8 +14,10 @@
 //! ```
 
 pub mod connector;
+mod worker;
 
 pub use connector::{Connector, ConnectorError, EffectOutcome, Evidence};
+pub use worker::{PausedAttempt, PausedSource, Resolution};
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -23,7 +25,10 @@ use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
 use nexuscrm_persistence::support::{echo, from_ms, is_unique_violation, text, to_ms};
-use nexuscrm_persistence::{Db, DbError, DialectQueries, Migration, Queries, TxFuture, WriteError};
+use nexuscrm_persistence::{
+    Db, DbError, DialectQueries, Fence, GenerationProbe, Migration, Queries, TxFuture, WriteError,
+};
+use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Clock, SystemClock};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -49,7 +54,7 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(366 * 24 * 3600);
 /// The prefix of every resume token.
 const TOKEN_PREFIX: &str = "prt_";
 
-fn queries(dialect: nexuscrm_persistence::Dialect) -> &'static Queries {
+pub(crate) fn queries(dialect: nexuscrm_persistence::Dialect) -> &'static Queries {
     static Q: OnceLock<DialectQueries> = OnceLock::new();
     Q.get_or_init(|| {
         DialectQueries::new(
@@ -194,6 +199,12 @@ pub struct PauseStatus {
     pub attempts: i64,
     /// When it was paused.
     pub created_at: SystemTime,
+    /// The effect's result or, for an `uncertain` pause, its evidence.
+    pub outcome: Option<Value>,
+    /// The idempotency key its effect is sent with.
+    pub effect_key: String,
+    /// When an attempt committed its intent to send the effect (a request may have left).
+    pub intent_at: Option<SystemTime>,
 }
 
 /// The kind of a [`PauseError`].
@@ -287,30 +298,111 @@ impl std::error::Error for PauseError {
 #[derive(Debug, Clone)]
 pub struct PausedOptions {
     clock: Arc<dyn Clock>,
+    generation: i64,
+    lease: Duration,
+    backoff: Duration,
+    connector: Option<Connector>,
+    generation_poll: Option<Duration>,
+    listen: bool,
+    faults: Faults,
 }
 
 impl Default for PausedOptions {
     fn default() -> Self {
         PausedOptions {
             clock: Arc::new(SystemClock),
+            generation: 1,
+            lease: Duration::from_secs(30),
+            backoff: Duration::from_secs(1),
+            connector: None,
+            generation_poll: Some(Duration::from_secs(5)),
+            listen: true,
+            faults: Faults::none(),
         }
     }
 }
 
 impl PausedOptions {
-    /// The wall clock for pause, resume and timeout times. By default the system clock.
+    /// The wall clock for pause, resume, timeout and lease times. By default the system clock.
     #[must_use]
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self
     }
+
+    /// This deployment's generation (the ownership fence). Default 1.
+    #[must_use]
+    pub fn generation(mut self, generation: i64) -> Self {
+        self.generation = generation;
+        self
+    }
+
+    /// How long a claim holds a pause; heartbeats extend it every third of it. Default 30 s.
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long a provably not-applied effect waits before it is sent again (a receiver's
+    /// Retry-After wins when longer). Default 1 s.
+    #[must_use]
+    pub fn backoff(mut self, backoff: Duration) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// Where resumed steps send their effect. Without one, the worker claims nothing.
+    #[must_use]
+    pub fn connector(mut self, connector: Connector) -> Self {
+        self.connector = Some(connector);
+        self
+    }
+
+    /// The polled generation probe's period (`None`: no poll); PostgreSQL LISTENs when
+    /// `listen` is on (the default).
+    #[must_use]
+    pub fn generation_poll(mut self, every: Option<Duration>) -> Self {
+        self.generation_poll = every;
+        self
+    }
+
+    /// Whether PostgreSQL LISTENs for resumes by other processes. Default on.
+    #[must_use]
+    pub fn listen(mut self, on: bool) -> Self {
+        self.listen = on;
+        self
+    }
+
+    /// Fault hooks for the crash matrix (none by default).
+    #[must_use]
+    pub fn faults(mut self, faults: Faults) -> Self {
+        self.faults = faults;
+        self
+    }
 }
+
+/// The PostgreSQL notification channel of the Paused Flow family.
+pub const CHANNEL: &str = "nexuscrm_paused";
 
 /// The Paused Flow store and producer.
 #[derive(Debug, Clone)]
 pub struct PausedFlow {
-    db: Db,
-    clock: Arc<dyn Clock>,
+    pub(crate) db: Db,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) worker: Arc<WorkerSettings>,
+}
+
+/// What the worker needs beside the database.
+#[derive(Debug)]
+pub(crate) struct WorkerSettings {
+    pub(crate) fence: Fence,
+    pub(crate) lease: Duration,
+    pub(crate) backoff: Duration,
+    pub(crate) connector: Option<Connector>,
+    pub(crate) probe: GenerationProbe,
+    pub(crate) faults: Faults,
+    pub(crate) waker: std::sync::OnceLock<nexuscrm_worker::Waker>,
 }
 
 /// What a resume's transaction found.
@@ -335,9 +427,51 @@ impl PausedFlow {
     /// A store over an already-migrated database.
     #[must_use]
     pub fn without_migrations(db: Db, options: PausedOptions) -> PausedFlow {
+        let probe = GenerationProbe::new(&db, CHANNEL, options.listen, options.generation_poll);
         PausedFlow {
+            worker: Arc::new(WorkerSettings {
+                fence: Fence::new(FAMILY, options.generation),
+                lease: options.lease,
+                backoff: options.backoff,
+                connector: options.connector,
+                probe,
+                faults: options.faults,
+                waker: std::sync::OnceLock::new(),
+            }),
             db,
             clock: options.clock,
+        }
+    }
+
+    /// Takes ownership of the family for this generation (older generations are fenced out:
+    /// their claims and completions commit nothing).
+    ///
+    /// # Errors
+    ///
+    /// When the ownership cannot be written, or a newer generation owns the family.
+    pub async fn take_ownership(&self, owner: &str) -> Result<(), PauseError> {
+        self.db
+            .take_ownership(FAMILY, self.worker.fence.generation(), owner)
+            .await
+            .map_err(|e| {
+                PauseError::new(
+                    PauseErrorKind::Database,
+                    format!("taking ownership of paused: {e}"),
+                )
+            })?;
+        self.worker
+            .faults
+            .hit(CrashPoint::OwnershipTransfer)
+            .map_err(|c| PauseError::new(PauseErrorKind::Database, c.to_string()))?;
+        self.worker.probe.notify(&self.db).await;
+        Ok(())
+    }
+
+    /// The worker's [`Source`](nexuscrm_worker::Source) over this store.
+    #[must_use]
+    pub fn source(&self) -> PausedSource {
+        PausedSource {
+            store: self.clone(),
         }
     }
 
@@ -517,6 +651,7 @@ impl PausedFlow {
                                 .bind(&digest)
                                 .bind(now)
                                 .bind(now)
+                                .bind(now)
                                 .bind(s.id)
                                 .execute(&mut *c)
                                 .await?;
@@ -547,11 +682,18 @@ impl PausedFlow {
             .await
             .map_err(|e| PauseError::write("resuming the pause", e))?;
         match outcome {
-            ResumeOutcome::Resumed(id, at) => Ok(Resumed {
-                id,
-                resumed_at: from_ms(at),
-                first: true,
-            }),
+            ResumeOutcome::Resumed(id, at) => {
+                // After commit: this process's controller at once, others through the probe.
+                if let Some(w) = self.worker.waker.get() {
+                    w.wake();
+                }
+                self.worker.probe.notify(&self.db).await;
+                Ok(Resumed {
+                    id,
+                    resumed_at: from_ms(at),
+                    first: true,
+                })
+            }
             ResumeOutcome::Repeated(id, at) => Ok(Resumed {
                 id,
                 resumed_at: from_ms(at),
@@ -690,6 +832,10 @@ fn insert_pause<'c>(
             .bind(timeout_at)
             .bind(now)
             .bind(now)
+            .bind(format!(
+                "nxp-{}",
+                nexuscrm_persistence::support::new_token()
+            ))
             .execute(&mut *c)
             .await?;
         let id: i64 = sqlx::query(q.get("pause_by_run_step"))
@@ -721,22 +867,30 @@ fn text_at(r: &sqlx::any::AnyRow, i: usize) -> Result<String, sqlx::Error> {
     text(r, i)
 }
 
-fn json_at(r: &sqlx::any::AnyRow, i: usize) -> Result<Value, sqlx::Error> {
+pub(crate) fn json_at(r: &sqlx::any::AnyRow, i: usize) -> Result<Value, sqlx::Error> {
     serde_json::from_str(&text(r, i)?).map_err(|e| sqlx::Error::Decode(Box::new(e)))
 }
 
-fn status_of(r: &sqlx::any::AnyRow) -> Result<PauseStatus, sqlx::Error> {
-    let resume_payload = match r.try_get::<Option<String>, _>(5) {
-        Ok(None) => None,
-        Ok(Some(s)) => {
-            Some(serde_json::from_str(&s).map_err(|e| sqlx::Error::Decode(Box::new(e)))?)
-        }
+/// A nullable JSON text column.
+pub(crate) fn optional_json_at(
+    r: &sqlx::any::AnyRow,
+    i: usize,
+) -> Result<Option<Value>, sqlx::Error> {
+    match r.try_get::<Option<String>, _>(i) {
+        Ok(None) => Ok(None),
+        Ok(Some(s)) => Ok(Some(
+            serde_json::from_str(&s).map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+        )),
         // MariaDB reports TEXT as BLOB through the Any driver.
-        Err(_) => match r.try_get::<Option<Vec<u8>>, _>(5)? {
-            None => None,
-            Some(_) => Some(json_at(r, 5)?),
+        Err(_) => match r.try_get::<Option<Vec<u8>>, _>(i)? {
+            None => Ok(None),
+            Some(_) => Ok(Some(json_at(r, i)?)),
         },
-    };
+    }
+}
+
+fn status_of(r: &sqlx::any::AnyRow) -> Result<PauseStatus, sqlx::Error> {
+    let resume_payload = optional_json_at(r, 5)?;
     Ok(PauseStatus {
         id: r.try_get(0)?,
         run: text(r, 1)?,
@@ -748,6 +902,9 @@ fn status_of(r: &sqlx::any::AnyRow) -> Result<PauseStatus, sqlx::Error> {
         resumed_at: r.try_get::<Option<i64>, _>(7)?.map(from_ms),
         attempts: r.try_get(8)?,
         created_at: from_ms(r.try_get(9)?),
+        outcome: optional_json_at(r, 12)?,
+        effect_key: text(r, 13)?,
+        intent_at: r.try_get::<Option<i64>, _>(14)?.map(from_ms),
     })
 }
 

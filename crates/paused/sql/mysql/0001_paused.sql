@@ -16,10 +16,17 @@ CREATE TABLE IF NOT EXISTS paused_step (
     lease_expires_at BIGINT,
     owner_generation BIGINT       NOT NULL DEFAULT 0,
     attempts         BIGINT       NOT NULL DEFAULT 0,
+    available_at     BIGINT       NOT NULL DEFAULT 0,
+    effect_key       VARCHAR(64)  NOT NULL,
+    intent_at        BIGINT,
+    intent_attempt   BIGINT,
+    outcome          TEXT,
+    finished_at      BIGINT,
     created_at       BIGINT       NOT NULL,
     updated_at       BIGINT       NOT NULL,
     CONSTRAINT paused_step_token UNIQUE (token_hash),
     CONSTRAINT paused_step_run_step UNIQUE (run_ref, step),
     INDEX paused_step_timeout (state, timeout_at),
-    INDEX paused_step_lease (state, lease_expires_at)
+    INDEX paused_step_lease (state, lease_expires_at),
+    INDEX paused_step_available (state, available_at)
 ) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;

@@ -15,6 +15,12 @@ CREATE TABLE IF NOT EXISTS paused_step (
     lease_expires_at BIGINT,
     owner_generation BIGINT       NOT NULL DEFAULT 0,
     attempts         BIGINT       NOT NULL DEFAULT 0,
+    available_at     BIGINT       NOT NULL DEFAULT 0,
+    effect_key       VARCHAR(64)  NOT NULL,
+    intent_at        BIGINT,
+    intent_attempt   BIGINT,
+    outcome          TEXT,
+    finished_at      BIGINT,
     created_at       BIGINT       NOT NULL,
     updated_at       BIGINT       NOT NULL,
     CONSTRAINT paused_step_token UNIQUE (token_hash),
@@ -22,3 +28,4 @@ CREATE TABLE IF NOT EXISTS paused_step (
 );
 CREATE INDEX IF NOT EXISTS paused_step_timeout ON paused_step (state, timeout_at);
 CREATE INDEX IF NOT EXISTS paused_step_lease ON paused_step (state, lease_expires_at);
+CREATE INDEX IF NOT EXISTS paused_step_available ON paused_step (state, available_at);
