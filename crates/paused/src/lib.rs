@@ -36,6 +36,46 @@ use tokio_util::sync::CancellationToken;
 /// The family's name (migrations, ownership, declarations).
 pub const FAMILY: &str = "paused";
 
+/// The Paused Flow declaration: accepted resumes survive crashes; the effect leaves the
+/// database, and an ambiguous outcome is quarantined as `uncertain`, never replayed blindly.
+pub const DECLARATION: nexuscrm_worker::Declaration = nexuscrm_worker::Declaration::new_const(
+    FAMILY,
+    nexuscrm_worker::Durability::DurableCritical,
+    nexuscrm_worker::Effect::OutcomeUncertain,
+);
+
+/// Queue observations of the Paused Flow store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PausedObservations {
+    /// Pauses per state, in [`PausedObservations::STATES`] order.
+    pub by_state: Vec<(&'static str, i64)>,
+    /// How long the oldest `uncertain` pause has waited for a person.
+    pub oldest_uncertain_age: Option<Duration>,
+}
+
+impl PausedObservations {
+    /// Every state a pause can be in.
+    pub const STATES: [&'static str; 8] = [
+        "paused",
+        "resumable",
+        "timed_out",
+        "leased",
+        "completed",
+        "uncertain",
+        "poisoned",
+        "cancelled",
+    ];
+
+    /// The count of one state.
+    #[must_use]
+    pub fn count(&self, state: &str) -> i64 {
+        self.by_state
+            .iter()
+            .find(|(s, _)| *s == state)
+            .map_or(0, |(_, n)| *n)
+    }
+}
+
 /// The family's migrations, per dialect.
 pub const MIGRATIONS: &[Migration] = &[Migration {
     version: 1,
@@ -792,6 +832,34 @@ impl PausedFlow {
             .map(status_of)
             .collect::<Result<_, _>>()
             .map_err(|e| PauseError::db("decoding a pause", e))
+    }
+
+    /// Counts per state and the age of the oldest `uncertain` pause.
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be read.
+    pub async fn observations(&self) -> Result<PausedObservations, PauseError> {
+        let counts = self.counts().await?;
+        let q = queries(self.db.dialect());
+        let oldest: Option<i64> = sqlx::query_scalar(q.get("oldest_uncertain"))
+            .fetch_one(self.db.pool())
+            .await
+            .map_err(|e| PauseError::db("reading the oldest uncertain pause", e))?;
+        let now = to_ms(self.clock.now());
+        Ok(PausedObservations {
+            by_state: PausedObservations::STATES
+                .iter()
+                .map(|s| {
+                    (
+                        *s,
+                        counts.iter().find(|(c, _)| c == s).map_or(0, |(_, n)| *n),
+                    )
+                })
+                .collect(),
+            oldest_uncertain_age: oldest
+                .map(|at| Duration::from_millis(now.saturating_sub(at).max(0) as u64)),
+        })
     }
 
     /// How many pauses are in each state.

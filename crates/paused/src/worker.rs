@@ -74,11 +74,14 @@ impl PausedSource {
         let row = sqlx::query(queries(db.dialect()).get("generation"))
             .fetch_one(db.pool())
             .await?;
+        // Each part only grows: a new pause, a resume, an operator's resolution.
         let id: Option<i64> = row.try_get(0)?;
         let resumed: Option<i64> = row.try_get(1)?;
+        let resolved: Option<i64> = row.try_get(2)?;
         Ok((resumed.unwrap_or(0) as u64)
             .wrapping_mul(1_000_003)
-            .wrapping_add(id.unwrap_or(0) as u64))
+            .wrapping_add(id.unwrap_or(0) as u64)
+            .wrapping_add((resolved.unwrap_or(0) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
     }
 
     /// Timeouts, then recovery of expired leases, in the caller's transaction: an expired
@@ -581,6 +584,7 @@ impl PausedFlow {
                         .bind(now)
                         .bind(outcome)
                         .bind(finished)
+                        .bind(now)
                         .bind(now)
                         .bind(id)
                         .execute(&mut *c)

@@ -27,6 +27,7 @@ pub(crate) struct Family {
 pub(crate) enum Store {
     Bulk(Bulk),
     Flow(Flow),
+    Paused(nexuscrm_paused::PausedFlow),
 }
 
 impl Store {
@@ -95,6 +96,39 @@ impl Store {
                     o.oldest_due_age.map_or(0.0, |d| d.as_secs_f64()),
                 ));
                 Ok((json, g))
+            }
+            Store::Paused(paused) => {
+                let o = paused.observations().await.map_err(|e| e.to_string())?;
+                let mut json = serde_json::Map::new();
+                for (state, n) in &o.by_state {
+                    json.insert((*state).to_owned(), json!(n));
+                }
+                // "pending" is what the status table shows: waiting for their effect.
+                json.insert(
+                    "pending".into(),
+                    json!(o.count("resumable") + o.count("timed_out")),
+                );
+                json.insert(
+                    "oldest_uncertain_age_ms".into(),
+                    json!(o.oldest_uncertain_age.map(|d| d.as_millis() as u64)),
+                );
+                let mut g: Vec<(&'static str, String, f64)> = o
+                    .by_state
+                    .iter()
+                    .map(|(state, n)| {
+                        (
+                            "nexuscrm_paused_steps",
+                            format!(",state=\"{state}\""),
+                            *n as f64,
+                        )
+                    })
+                    .collect();
+                g.push((
+                    "nexuscrm_paused_oldest_uncertain_age_seconds",
+                    String::new(),
+                    o.oldest_uncertain_age.map_or(0.0, |d| d.as_secs_f64()),
+                ));
+                Ok((Value::Object(json), g))
             }
         }
     }
@@ -481,6 +515,14 @@ async fn metrics(State(admin): State<Admin>) -> Response {
         (
             "nexuscrm_flow_oldest_due_age_seconds",
             "How late the most overdue enabled schedule is (domain observation).",
+        ),
+        (
+            "nexuscrm_paused_steps",
+            "Paused flow steps by state (domain observation).",
+        ),
+        (
+            "nexuscrm_paused_oldest_uncertain_age_seconds",
+            "How long the oldest uncertain step has waited for a person (domain observation).",
         ),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");

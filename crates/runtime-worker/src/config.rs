@@ -24,6 +24,22 @@ pub(crate) struct RawConfig {
     pub(crate) log_format: Option<String>,
     pub(crate) bulk: Option<RawBulk>,
     pub(crate) flow: Option<RawFlow>,
+    pub(crate) paused: Option<RawPaused>,
+}
+
+/// The `[paused]` table (Paused Flow). The family runs only with a `connector_url`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawPaused {
+    pub(crate) enabled: Option<bool>,
+    pub(crate) capacity: Option<usize>,
+    pub(crate) reconcile_interval_secs: Option<u64>,
+    pub(crate) lease_secs: Option<f64>,
+    pub(crate) connector_url: Option<String>,
+    pub(crate) connector_timeout_secs: Option<f64>,
+    pub(crate) connector_idempotent: Option<bool>,
+    pub(crate) connector_observe_path: Option<String>,
+    pub(crate) generation_poll_secs: Option<u64>,
 }
 
 /// The `[flow]` table (Scheduled Flow).
@@ -77,6 +93,19 @@ pub(crate) struct Settings {
     pub(crate) log_format: LogFormat,
     pub(crate) bulk: BulkSettings,
     pub(crate) flow: FlowSettings,
+    pub(crate) paused: PausedSettings,
+}
+
+/// Validated `[paused]` settings.
+#[derive(Debug, Clone)]
+pub(crate) struct PausedSettings {
+    /// Enabled and a connector configured.
+    pub(crate) enabled: bool,
+    pub(crate) capacity: usize,
+    pub(crate) reconcile_interval: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) connector: Option<nexuscrm_paused::Connector>,
+    pub(crate) generation_poll: Duration,
 }
 
 /// Validated `[flow]` settings.
@@ -164,6 +193,24 @@ impl RawConfig {
             );
             self.flow = Some(f);
         }
+        if let Some(op) = other.paused {
+            let mut p = self.paused.take().unwrap_or_default();
+            macro_rules! takep {
+                ($($f:ident),*) => { $( if op.$f.is_some() { p.$f = op.$f; } )* };
+            }
+            takep!(
+                enabled,
+                capacity,
+                reconcile_interval_secs,
+                lease_secs,
+                connector_url,
+                connector_timeout_secs,
+                connector_idempotent,
+                connector_observe_path,
+                generation_poll_secs
+            );
+            self.paused = Some(p);
+        }
         self
     }
 
@@ -203,8 +250,20 @@ impl RawConfig {
             listen: parse("NEXUSCRM_FLOW_LISTEN")?,
             generation_poll_secs: parse("NEXUSCRM_FLOW_GENERATION_POLL_SECS")?,
         };
+        let paused = RawPaused {
+            enabled: parse("NEXUSCRM_PAUSED_ENABLED")?,
+            capacity: parse("NEXUSCRM_PAUSED_CAPACITY")?,
+            reconcile_interval_secs: parse("NEXUSCRM_PAUSED_RECONCILE_INTERVAL_SECS")?,
+            lease_secs: parse("NEXUSCRM_PAUSED_LEASE_SECS")?,
+            connector_url: var("NEXUSCRM_PAUSED_CONNECTOR_URL"),
+            connector_timeout_secs: parse("NEXUSCRM_PAUSED_CONNECTOR_TIMEOUT_SECS")?,
+            connector_idempotent: parse("NEXUSCRM_PAUSED_CONNECTOR_IDEMPOTENT")?,
+            connector_observe_path: var("NEXUSCRM_PAUSED_CONNECTOR_OBSERVE_PATH"),
+            generation_poll_secs: parse("NEXUSCRM_PAUSED_GENERATION_POLL_SECS")?,
+        };
         Ok(RawConfig {
             flow: Some(flow),
+            paused: Some(paused),
             database_url: var("NEXUSCRM_DATABASE_URL"),
             generation: parse("NEXUSCRM_GENERATION")?,
             admin_addr: var("NEXUSCRM_ADMIN_ADDR"),
@@ -369,8 +428,10 @@ impl RawConfig {
             listen: f.listen.unwrap_or(true),
             generation_poll: Duration::from_secs(flow_poll),
         };
+        let paused = validate_paused(self.paused.unwrap_or_default())?;
         Ok(Settings {
             flow,
+            paused,
             database_url: self.database_url.unwrap_or_else(|| DEFAULT_DATABASE.into()),
             generation,
             admin_addr,
@@ -390,6 +451,75 @@ impl RawConfig {
             },
         })
     }
+}
+
+fn validate_paused(p: RawPaused) -> Result<PausedSettings, String> {
+    let capacity = p.capacity.unwrap_or(8);
+    if capacity == 0 || capacity > 1024 {
+        return Err(bad(
+            "paused.capacity",
+            format!("{capacity} must be 1 to 1024"),
+        ));
+    }
+    let reconcile = p.reconcile_interval_secs.unwrap_or(300);
+    if reconcile == 0 {
+        return Err(bad(
+            "paused.reconcile_interval_secs",
+            "must be at least 1 (the backstop must not become a poll)",
+        ));
+    }
+    let lease = p.lease_secs.unwrap_or(30.0);
+    if !(0.1..=3600.0).contains(&lease) {
+        return Err(bad(
+            "paused.lease_secs",
+            format!("{lease} must be 0.1 to 3600"),
+        ));
+    }
+    let timeout = p.connector_timeout_secs.unwrap_or(10.0);
+    if !(0.01..=600.0).contains(&timeout) {
+        return Err(bad(
+            "paused.connector_timeout_secs",
+            format!("{timeout} must be 0.01 to 600"),
+        ));
+    }
+    // The lease must outlive the request, or every slow answer would lose its lease.
+    if lease <= timeout {
+        return Err(bad(
+            "paused.lease_secs",
+            format!("{lease} must be longer than paused.connector_timeout_secs ({timeout})"),
+        ));
+    }
+    let poll = p.generation_poll_secs.unwrap_or(5);
+    if poll == 0 {
+        return Err(bad("paused.generation_poll_secs", "must be at least 1"));
+    }
+    let connector = match &p.connector_url {
+        None => None,
+        Some(url) => {
+            let mut c = nexuscrm_paused::Connector::new(url)
+                .map_err(|e| bad("paused.connector_url", e))?
+                .timeout(Duration::from_secs_f64(timeout))
+                .idempotent(p.connector_idempotent.unwrap_or(false));
+            if let Some(path) = &p.connector_observe_path {
+                if !path.starts_with('/') {
+                    return Err(bad(
+                        "paused.connector_observe_path",
+                        format!("{path:?} must start with /"),
+                    ));
+                }
+                c = c.observable(path.clone());
+            }
+            Some(c)
+        }
+    };
+    Ok(PausedSettings {
+        enabled: p.enabled.unwrap_or(true) && connector.is_some(),
+        capacity,
+        reconcile_interval: Duration::from_secs(reconcile),
+        lease: Duration::from_secs_f64(lease),
+        connector,
+        generation_poll: Duration::from_secs(poll),
+    })
 }
 
 #[cfg(test)]

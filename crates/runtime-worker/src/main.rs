@@ -15,7 +15,7 @@ use nexuscrm_bulk::{Bulk, BulkOptions, JobId, NewJob, RowInput};
 use nexuscrm_flow::{
     Flow, FlowOptions, FlowRun, MisfirePolicy, NewSchedule, ScheduleId, ScheduleStatus, Spec, spec,
 };
-use nexuscrm_paused::{NewPause, PausedFlow, PausedOptions};
+use nexuscrm_paused::{NewPause, PausedFlow, PausedOptions, Resolution};
 use nexuscrm_persistence::Db;
 use nexuscrm_worker::{Config, Controller};
 use serde_json::{Map, Value, json};
@@ -149,6 +149,24 @@ enum PauseCommand {
         /// The pause id.
         id: i64,
     },
+    /// Resolve an uncertain pause: an explicit, recorded decision. --applied completes it;
+    /// --not-applied and --retry send its effect again with the same idempotency key.
+    Resolve {
+        /// The pause id.
+        id: i64,
+        /// The effect was applied (checked with the receiver).
+        #[arg(long, conflicts_with_all = ["not_applied", "retry"], required_unless_present_any = ["not_applied", "retry"])]
+        applied: bool,
+        /// The effect was not applied.
+        #[arg(long, conflicts_with = "retry")]
+        not_applied: bool,
+        /// Send it again under a new attempt with the same idempotency key.
+        #[arg(long)]
+        retry: bool,
+        /// Who decides (recorded with the decision). Default: $USER.
+        #[arg(long)]
+        by: Option<String>,
+    },
 }
 
 /// The pause states `pause list --state` accepts.
@@ -237,6 +255,9 @@ async fn pause_command(url: &str, command: PauseCommand) -> Result<ExitCode, Any
                     "resumed_at": p.resumed_at.map(spec::format_time),
                     "attempts": p.attempts,
                     "created_at": spec::format_time(p.created_at),
+                    "effect_key": p.effect_key,
+                    "intent_at": p.intent_at.map(spec::format_time),
+                    "outcome": p.outcome,
                 })
             );
         }
@@ -251,6 +272,27 @@ async fn pause_command(url: &str, command: PauseCommand) -> Result<ExitCode, Any
         PauseCommand::Cancel { id } => {
             let p = store.cancel(id).await?;
             println!("pause {} {}", p.id, p.state);
+        }
+        PauseCommand::Resolve {
+            id,
+            applied,
+            not_applied,
+            retry: _,
+            by,
+        } => {
+            let resolution = if applied {
+                Resolution::Applied
+            } else if not_applied {
+                Resolution::NotApplied
+            } else {
+                Resolution::Retry
+            };
+            let actor = by
+                .or_else(|| std::env::var("USER").ok())
+                .unwrap_or_else(|| "operator".into());
+            let p = store.resolve(id, resolution, &actor).await?;
+            tracing::warn!(pause = id, decision = ?resolution, by = %actor, "uncertain pause resolved");
+            println!("pause {} {} (resolved by {actor})", p.id, p.state);
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -128,7 +128,20 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         .misfire_grace(s.flow.misfire_grace)
         .listen(s.flow.listen)
         .generation_poll(Some(s.flow.generation_poll));
-    let flow = Flow::open(db, s.generation, FlowOptions::default().config(flow_cfg)).await?;
+    let flow = Flow::open(
+        db.clone(),
+        s.generation,
+        FlowOptions::default().config(flow_cfg),
+    )
+    .await?;
+    let mut paused_options = nexuscrm_paused::PausedOptions::default()
+        .generation(s.generation)
+        .lease(s.paused.lease)
+        .generation_poll(Some(s.paused.generation_poll));
+    if let Some(c) = &s.paused.connector {
+        paused_options = paused_options.connector(c.clone());
+    }
+    let paused = nexuscrm_paused::PausedFlow::open(db, paused_options).await?;
     let mut families = Vec::new();
     let bulk_ctl = if s.bulk.enabled {
         let capacity = std::num::NonZeroUsize::new(s.bulk.capacity)
@@ -173,6 +186,28 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     } else {
         None
     };
+    // Paused Flow runs only with a connector to send its effects to.
+    let paused_ctl = if s.paused.enabled {
+        let capacity = std::num::NonZeroUsize::new(s.paused.capacity)
+            .ok_or("paused.capacity must be at least 1")?;
+        let ctl = Controller::new(
+            paused.source(),
+            Config::new("paused")
+                .capacity(capacity)
+                .reconcile_interval(s.paused.reconcile_interval)
+                .reconcile_jitter(s.paused.reconcile_interval / 10)
+                .shutdown_timeout(s.shutdown_timeout),
+        )?;
+        paused.set_waker(ctl.waker());
+        families.push(admin::Family {
+            declaration: nexuscrm_paused::DECLARATION,
+            handle: ctl.handle(),
+            store: admin::Store::Paused(paused.clone()),
+        });
+        Some(ctl)
+    } else {
+        None
+    };
     let names: Vec<&str> = families.iter().map(|f| f.declaration.family()).collect();
     let admin_state = admin::Admin {
         families: Arc::new(families.clone()),
@@ -184,7 +219,7 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     let addr = listener.local_addr()?;
     tracing::info!(
         "admin listening on {addr}; running {} on {} (generation {})",
-        names.join(" and "),
+        names.join(", "),
         bulk.db().url(),
         s.generation
     );
@@ -209,6 +244,9 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         if flow_ctl.is_some() {
             flow.take_ownership(&owner()).await?;
         }
+        if paused_ctl.is_some() {
+            paused.take_ownership(&owner()).await?;
+        }
         Ok::<_, AnyError>(())
     };
     if let Err(e) = owned.await {
@@ -216,15 +254,16 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         let _ = server.await;
         return Err(e);
     }
-    let (bulk_ended, flow_ended) = tokio::join!(
+    let (bulk_ended, flow_ended, paused_ended) = tokio::join!(
         supervise_all(bulk_ctl, cancel.clone()),
         supervise_all(flow_ctl, cancel.clone()),
+        supervise_all(paused_ctl, cancel.clone()),
     );
     cancel.cancel();
     signals.abort();
     admin_stop.cancel();
     let _ = server.await;
-    let ended = [bulk_ended, flow_ended];
+    let ended = [bulk_ended, flow_ended, paused_ended];
     let poisoned: Vec<&String> = ended
         .iter()
         .filter_map(|e| match e {

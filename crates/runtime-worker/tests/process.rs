@@ -1072,3 +1072,124 @@ async fn pause_commands_resume_once_and_refuse_bad_input_with_nothing_changed() 
         t.drop_database().await;
     }
 }
+
+/// A receiver for Paused Flow effects: hangs while `hang` is set, answers 200 otherwise, and
+/// counts the requests.
+async fn effect_receiver() -> (
+    u16,
+    Arc<std::sync::atomic::AtomicBool>,
+    Arc<std::sync::atomic::AtomicU32>,
+) {
+    use std::sync::atomic::Ordering::SeqCst;
+    let hang = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let count = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (h, c) = (hang.clone(), count.clone());
+    let app = axum::Router::new().route(
+        "/effect",
+        axum::routing::post(move || {
+            let (h, c) = (h.clone(), c.clone());
+            async move {
+                c.fetch_add(1, SeqCst);
+                if h.load(SeqCst) {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                }
+                "done"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (port, hang, count)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_flow_runs_in_the_worker_and_an_uncertain_effect_waits_for_a_person() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let t = TestDb::create(Dialect::Sqlite, "pausedrun").await.unwrap();
+    let (port, hang, count) = effect_receiver().await;
+    let url = format!("http://127.0.0.1:{port}/effect");
+    let mut w = start_with_env(
+        &t.url,
+        "0.5",
+        &[],
+        &[
+            ("NEXUSCRM_PAUSED_CONNECTOR_URL", url.as_str()),
+            ("NEXUSCRM_PAUSED_CONNECTOR_TIMEOUT_SECS", "0.3"),
+            ("NEXUSCRM_PAUSED_LEASE_SECS", "1"),
+            ("NEXUSCRM_PAUSED_GENERATION_POLL_SECS", "1"),
+        ],
+    );
+    let (ok, out, err) = cli(&t.url, &["pause", "create", "run-1", "charge"]);
+    assert!(ok, "{err}");
+    let mut lines = out.lines();
+    let id = lines.next().unwrap().to_owned();
+    let token = lines.next().unwrap().to_owned();
+    let (ok, _, err) = cli(
+        &t.url,
+        &["pause", "resume", &token, "--payload", "{\"ok\": 1}"],
+    );
+    assert!(ok, "{err}");
+    let state = |id: &str| {
+        let (ok, out, err) = cli(&t.url, &["pause", "show", id]);
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    // The hanging receiver: uncertain, with its evidence, within a few seconds.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let shown = loop {
+        let s = state(&id);
+        if s["state"] == "uncertain" {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "never uncertain: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        shown["outcome"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("no answer within"),
+        "{shown}"
+    );
+    let (_, snapshot) = get(w.port, "/snapshot").unwrap();
+    assert!(
+        snapshot.contains("paused=durable-critical/outcome-uncertain"),
+        "{snapshot}"
+    );
+    let (_, metrics) = get(w.port, "/metrics").unwrap();
+    assert!(
+        metrics.contains("nexuscrm_paused_steps{family=\"paused\",state=\"uncertain\"} 1"),
+        "{metrics}"
+    );
+    // Not resent while it waits for a person (longer than its lease).
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(count.load(SeqCst), 1, "the uncertain effect was not resent");
+    // Resolve: a usage error without a decision, a conflict for a pause that is not
+    // uncertain, then a retry that sends it once more and completes it.
+    let (ok, _, err) = cli(&t.url, &["pause", "resolve", &id]);
+    assert!(!ok && err.contains("required"), "{err}");
+    hang.store(false, SeqCst);
+    let (ok, out, err) = cli(&t.url, &["pause", "resolve", &id, "--retry", "--by", "ops"]);
+    assert!(
+        ok && out.contains("resumable (resolved by ops)"),
+        "{out} {err}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = state(&id);
+        if s["state"] == "completed" {
+            assert_eq!(s["outcome"]["status"], 200, "{s}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never completed: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(count.load(SeqCst), 2, "sent again once, by the decision");
+    let (ok, _, err) = cli(&t.url, &["pause", "resolve", &id, "--applied"]);
+    assert!(!ok && err.contains("not uncertain"), "{err}");
+    stop_clean(&mut w);
+    t.drop_database().await;
+}

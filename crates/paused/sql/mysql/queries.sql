@@ -56,7 +56,7 @@ UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELS
     lease_expires_at = NULL, intent_at = NULL, available_at = ?, outcome = ?, updated_at = ?
 WHERE id = ? AND claim_token = ? AND state = 'leased' AND lease_expires_at > ?
 -- name: resolve
-UPDATE paused_step SET state = ?, intent_at = NULL, available_at = ?, outcome = ?, finished_at = ?, updated_at = ? WHERE id = ? AND state = 'uncertain'
+UPDATE paused_step SET state = ?, intent_at = NULL, available_at = ?, outcome = ?, finished_at = ?, updated_at = ?, resolved_at = ? WHERE id = ? AND state = 'uncertain'
 -- name: next_timeout
 SELECT MIN(timeout_at) FROM paused_step WHERE state = 'paused'
 -- name: next_lease_expiry
@@ -64,4 +64,6 @@ SELECT MIN(lease_expires_at) FROM paused_step WHERE state = 'leased'
 -- name: next_available
 SELECT MIN(available_at) FROM paused_step WHERE state IN ('resumable', 'timed_out')
 -- name: generation
-SELECT MAX(id), MAX(resumed_at) FROM paused_step
+SELECT MAX(id), MAX(resumed_at), MAX(resolved_at) FROM paused_step
+-- name: oldest_uncertain
+SELECT MIN(updated_at) FROM paused_step WHERE state = 'uncertain'

@@ -21,6 +21,7 @@ CREATE TABLE IF NOT EXISTS paused_step (
     intent_attempt   BIGINT,
     outcome          TEXT,
     finished_at      BIGINT,
+    resolved_at      BIGINT,
     created_at       BIGINT       NOT NULL,
     updated_at       BIGINT       NOT NULL,
     CONSTRAINT paused_step_token UNIQUE (token_hash),

@@ -55,7 +55,7 @@ UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELS
     lease_expires_at = NULL, intent_at = NULL, available_at = $1, outcome = $2, updated_at = $3
 WHERE id = $4 AND claim_token = $5 AND state = 'leased' AND lease_expires_at > $6
 -- name: resolve
-UPDATE paused_step SET state = $1, intent_at = NULL, available_at = $2, outcome = $3, finished_at = $4, updated_at = $5 WHERE id = $6 AND state = 'uncertain'
+UPDATE paused_step SET state = $1, intent_at = NULL, available_at = $2, outcome = $3, finished_at = $4, updated_at = $5, resolved_at = $6 WHERE id = $7 AND state = 'uncertain'
 -- name: next_timeout
 SELECT MIN(timeout_at) FROM paused_step WHERE state = 'paused'
 -- name: next_lease_expiry
@@ -63,4 +63,6 @@ SELECT MIN(lease_expires_at) FROM paused_step WHERE state = 'leased'
 -- name: next_available
 SELECT MIN(available_at) FROM paused_step WHERE state IN ('resumable', 'timed_out')
 -- name: generation
-SELECT MAX(id), MAX(resumed_at) FROM paused_step
+SELECT MAX(id), MAX(resumed_at), MAX(resolved_at) FROM paused_step
+-- name: oldest_uncertain
+SELECT MIN(updated_at) FROM paused_step WHERE state = 'uncertain'
