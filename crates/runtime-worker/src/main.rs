@@ -1069,6 +1069,142 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
         "Bulk observations: pending {}  running {}  succeeded {}  poisoned {}",
         o.pending, o.running, o.succeeded, o.poisoned
     );
+    if let Err(e) = result {
+        return Ok(exit_for(Err((e.is_poisoned(), e.to_string()))));
+    }
+    demo_paused(url, bulk.db().clone(), run_id).await
+}
+
+/// The demo's Paused Flow part: three runs pause, the CLI resumes them, a local receiver
+/// answers two effects and hangs on the third, which becomes `uncertain` with its evidence
+/// until the CLI resolves it.
+async fn demo_paused(url: &str, db: Db, run_id: u128) -> Result<ExitCode, AnyError> {
+    // The receiver: answers every effect at once, except a "charge" step, which it swallows.
+    let app = axum::Router::new().route(
+        "/effect",
+        axum::routing::post(|body: String| async move {
+            if body.contains("\"step\":\"charge\"") {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
+            "{\"accepted\": true}"
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let receiver = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let connector = nexuscrm_paused::Connector::new(&format!("http://127.0.0.1:{port}/effect"))?
+        .timeout(Duration::from_secs(1));
+    let paused = PausedFlow::open(
+        db,
+        PausedOptions::default()
+            .connector(connector)
+            .lease(Duration::from_secs(3))
+            .generation_poll(Some(Duration::from_millis(200))),
+    )
+    .await?;
+    paused.take_ownership(&owner()).await?;
+    let ctl = Controller::new(
+        paused.source(),
+        Config::new("paused").capacity(NonZeroUsize::new(4).expect("4")),
+    )?;
+    paused.set_waker(ctl.waker());
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(ctl.run(cancel.clone()));
+    println!(
+        "\nPaused Flow (effects to a local receiver on 127.0.0.1:{port}, which hangs on \"charge\"):"
+    );
+    let mut ids = Vec::new();
+    for (run_name, step) in [("a", "approve"), ("b", "approve"), ("c", "charge")] {
+        let p = paused
+            .pause(NewPause::new(
+                format!("demo-{run_id}-{run_name}"),
+                step,
+                Duration::from_secs(3600),
+                json!({"amount": 1200}),
+            ))
+            .await?;
+        println!(
+            "  paused run demo-…-{run_name} at {step}: pause {} (resume token {}…, shown once)",
+            p.id,
+            &p.token.expose()[..12]
+        );
+        // Resumed through the CLI, as a partner's callback or an approver would.
+        let out = std::process::Command::new(std::env::current_exe()?)
+            .args(["--database-url", url, "pause", "resume", p.token.expose()])
+            .args(["--payload", "{\"approved\": true}"])
+            .output()?;
+        if !out.status.success() {
+            return Err(format!(
+                "pause resume failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+            .into());
+        }
+        ids.push(p.id);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut states = Vec::new();
+        for id in &ids {
+            states.push(
+                paused
+                    .status(*id)
+                    .await?
+                    .map(|p| p.state)
+                    .unwrap_or_default(),
+            );
+        }
+        if states == ["completed", "completed", "uncertain"] {
+            break;
+        }
+        if Instant::now() > deadline || run.is_finished() {
+            return Err(format!("the paused demo did not settle: {states:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let uncertain = paused.status(ids[2]).await?.ok_or("no pause")?;
+    println!(
+        "  pauses {} and {} completed; pause {} is UNCERTAIN (the request may have been applied), \
+         never resent; evidence: {}",
+        ids[0],
+        ids[1],
+        uncertain.id,
+        uncertain.outcome.unwrap_or_default()
+    );
+    // A person checks with the receiver and records the decision through the CLI.
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "--database-url",
+            url,
+            "pause",
+            "resolve",
+            &ids[2].to_string(),
+        ])
+        .args(["--applied", "--by", "demo-operator"])
+        .output()?;
+    print!(
+        "  pause resolve {} --applied: {}",
+        ids[2],
+        String::from_utf8_lossy(&out.stdout)
+    );
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned().into());
+    }
+    cancel.cancel();
+    let result = run.await?;
+    receiver.abort();
+    let o = paused.observations().await?;
+    println!(
+        "Paused Flow observations: {}",
+        o.by_state
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(s, n)| format!("{s} {n}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+    );
     Ok(exit_for(
         result
             .map(drop)

@@ -1193,3 +1193,39 @@ async fn paused_flow_runs_in_the_worker_and_an_uncertain_effect_waits_for_a_pers
     stop_clean(&mut w);
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_shows_bulk_schedules_and_a_paused_resumed_and_uncertain_step_twice() {
+    let t = TestDb::create(Dialect::Sqlite, "demo").await.unwrap();
+    for round in 0..2 {
+        let out = Command::new(BIN)
+            .args([
+                "--database-url",
+                &t.url,
+                "demo",
+                "--jobs",
+                "2",
+                "--rows",
+                "50",
+            ])
+            .env_remove("NEXUSCRM_DATABASE_URL")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "round {round}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for want in [
+            "100/100 rows, 2/2 jobs",
+            "Scheduled Flow runs",
+            "is UNCERTAIN",
+            "never resent; evidence:",
+            "completed (resolved by demo-operator)",
+        ] {
+            assert!(stdout.contains(want), "round {round}: {want:?} in {stdout}");
+        }
+    }
+    t.drop_database().await;
+}
