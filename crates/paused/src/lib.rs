@@ -507,6 +507,11 @@ impl PausedFlow {
         Ok(())
     }
 
+    /// Ends the generation probe's current stream (tests: a lost LISTEN or polled probe).
+    pub fn interrupt_generation_probe(&self) {
+        self.worker.probe.interrupt();
+    }
+
     /// The worker's [`Source`](nexuscrm_worker::Source) over this store.
     #[must_use]
     pub fn source(&self) -> PausedSource {

@@ -449,7 +449,20 @@ impl Attempt for PausedAttempt {
                     .map_err(attempt_error)?;
                 return Ok(());
             }
-            Err(e) => return Err(attempt_error(e)),
+            Err(e) => {
+                // Nothing was sent. Hand the pause back at once rather than leave it leased
+                // until its lease expires (if even that fails, the lease returns it).
+                if e.is_not_committed() {
+                    let release = Disposition::Release(
+                        store.worker.backoff,
+                        json!({"not_applied": format!("the effect intent failed: {e}")}),
+                    );
+                    let _ = self
+                        .fenced(&CancellationToken::new(), Fenced::Done(release))
+                        .await;
+                }
+                return Err(attempt_error(e));
+            }
         }
         faults
             .hit(CrashPoint::BeforeEffect)
