@@ -273,6 +273,8 @@ pub enum PauseErrorKind {
     OutcomeUnknown,
     /// Any other database error.
     Database,
+    /// An injected crash (the crash matrix).
+    Crashed,
 }
 
 /// A Paused Flow error: what went wrong, in a sentence that names the pause.
@@ -499,10 +501,12 @@ impl PausedFlow {
                     format!("taking ownership of paused: {e}"),
                 )
             })?;
+        // The transfer is half done here: the new fence is committed, this generation has not
+        // claimed yet, and older generations may still hold leases.
         self.worker
             .faults
             .hit(CrashPoint::OwnershipTransfer)
-            .map_err(|c| PauseError::new(PauseErrorKind::Database, c.to_string()))?;
+            .map_err(crashed)?;
         self.worker.probe.notify(&self.db).await;
         Ok(())
     }
@@ -663,6 +667,10 @@ impl PausedFlow {
             )
         })?;
         let text = payload_text(payload, "resume payload")?;
+        self.worker
+            .faults
+            .hit(CrashPoint::BeforeAcceptance)
+            .map_err(crashed)?;
         let digest = sha256_hex(text.as_bytes());
         let hash = token.hash();
         let now = to_ms(self.clock.now());
@@ -726,6 +734,12 @@ impl PausedFlow {
             })
             .await
             .map_err(|e| PauseError::write("resuming the pause", e))?;
+        if !matches!(outcome, ResumeOutcome::Refused(..)) {
+            self.worker
+                .faults
+                .hit(CrashPoint::AfterAcceptance)
+                .map_err(crashed)?;
+        }
         match outcome {
             ResumeOutcome::Resumed(id, at) => {
                 // After commit: this process's controller at once, others through the probe.
@@ -921,6 +935,14 @@ fn insert_pause<'c>(
     })
 }
 
+fn crashed(c: nexuscrm_worker::fault::Crash) -> PauseError {
+    PauseError {
+        kind: PauseErrorKind::Crashed,
+        message: c.to_string(),
+        source: Some(Box::new(c)),
+    }
+}
+
 /// `payload` as JSON text, refused when larger than [`MAX_PAYLOAD_BYTES`].
 fn payload_text(payload: &Value, what: &str) -> Result<String, PauseError> {
     let text = payload.to_string();
@@ -1025,5 +1047,22 @@ mod tests {
                 proptest::prop_assert_eq!(s.len(), 68);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod crash_tests {
+    use super::*;
+
+    #[test]
+    fn an_injected_crash_is_found_through_a_pause_error() {
+        let f = Faults::new();
+        f.arm(CrashPoint::OwnershipTransfer);
+        let e = f
+            .hit(CrashPoint::OwnershipTransfer)
+            .map_err(crashed)
+            .unwrap_err();
+        let boxed: Box<dyn std::error::Error + Send + Sync> = Box::new(e);
+        assert!(nexuscrm_worker::fault::Crash::find(&*boxed).is_some());
     }
 }

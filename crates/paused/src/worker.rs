@@ -441,7 +441,13 @@ impl Attempt for PausedAttempt {
         };
         match intent {
             Ok(true) => {}
-            Ok(false) => return Ok(()), // Lost the lease: the new holder owns the pause.
+            Ok(false) => {
+                // Lost the lease before anything was sent: the new holder owns the pause.
+                faults
+                    .hit(CrashPoint::LeaseExpiry)
+                    .map_err(AttemptError::new)?;
+                return Ok(());
+            }
             Err(WriteError::Cancelled) => {
                 let release = Disposition::Release(Duration::ZERO, json!({"released": "drain"}));
                 self.fenced(&CancellationToken::new(), Fenced::Done(release))
@@ -537,6 +543,11 @@ impl Attempt for PausedAttempt {
         if done {
             faults
                 .hit(CrashPoint::AfterDisposition)
+                .map_err(AttemptError::new)?;
+        } else {
+            // The lease was lost while the effect ran: recovery quarantines the pause.
+            faults
+                .hit(CrashPoint::LeaseExpiry)
                 .map_err(AttemptError::new)?;
         }
         Ok(())
