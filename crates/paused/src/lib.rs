@@ -24,7 +24,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
-use nexuscrm_persistence::support::{echo, from_ms, is_unique_violation, text, to_ms};
+use nexuscrm_persistence::support::{echo, from_ms, is_unique_violation, retrying, text, to_ms};
 use nexuscrm_persistence::{
     Db, DbError, DialectQueries, Fence, GenerationProbe, Migration, Queries, TxFuture, WriteError,
 };
@@ -567,12 +567,15 @@ impl PausedFlow {
         let q = queries(self.db.dialect());
         let (run, step, hash) = (pause.run.clone(), pause.step.clone(), token.hash());
         let never = CancellationToken::new();
-        let outcome = self
-            .db
-            .write(&never, move |c| {
+        // Lock contention (a deadlock, a serialization failure) is a proven rollback: retried.
+        let outcome = retrying(&never, || {
+            let (run, step, hash, payload) =
+                (run.clone(), step.clone(), hash.clone(), payload.clone());
+            self.db.write(&never, move |c| {
                 insert_pause(c, q, run, step, hash, payload, timeout_at, now)
             })
-            .await;
+        })
+        .await;
         match outcome {
             Ok(id) => Ok(Paused {
                 id,
@@ -676,9 +679,10 @@ impl PausedFlow {
         let now = to_ms(self.clock.now());
         let q = queries(self.db.dialect());
         let never = CancellationToken::new();
-        let outcome = self
-            .db
-            .write(&never, move |c| {
+        // Lock contention (a deadlock, a serialization failure) is a proven rollback: retried.
+        let outcome = retrying(&never, || {
+            let (hash, text, digest) = (hash.clone(), text.clone(), digest.clone());
+            self.db.write(&never, move |c| {
                 Box::pin(async move {
                     let Some(row) = sqlx::query(q.get("pause_by_token"))
                         .bind(&hash)
@@ -732,8 +736,9 @@ impl PausedFlow {
                     }
                 })
             })
-            .await
-            .map_err(|e| PauseError::write("resuming the pause", e))?;
+        })
+        .await
+        .map_err(|e| PauseError::write("resuming the pause", e))?;
         if !matches!(outcome, ResumeOutcome::Refused(..)) {
             self.worker
                 .faults

@@ -334,6 +334,7 @@ pub struct PausedAttempt {
 }
 
 /// How an attempt ends, in its fenced completion.
+#[derive(Clone)]
 enum Disposition {
     Finish(&'static str, Value),
     Release(Duration, Value),
@@ -351,16 +352,19 @@ impl PausedAttempt {
     async fn fenced(&self, cancel: &CancellationToken, what: Fenced) -> Result<bool, WriteError> {
         let store = &self.store;
         let q = queries(store.db.dialect());
-        let (db, fence, clock) = (
-            store.db.clone(),
-            store.worker.fence.clone(),
-            store.clock.clone(),
-        );
-        let (id, token) = (self.claimed.id, self.token.clone());
+        let id = self.claimed.id;
         let lease_ms = store.worker.lease.as_millis() as i64;
-        store
-            .db
-            .write(cancel, move |c| {
+        // Lock contention (a deadlock, a serialization failure) is a proven rollback: retried,
+        // so a busy store never turns a finished effect into an expired lease (and then into
+        // an uncertain pause).
+        retrying(cancel, || {
+            let (db, fence, clock) = (
+                store.db.clone(),
+                store.worker.fence.clone(),
+                store.clock.clone(),
+            );
+            let (token, what) = (self.token.clone(), what.clone());
+            store.db.write(cancel, move |c| {
                 Box::pin(async move {
                     if !fence.holds(c, &db).await? {
                         return Ok(false);
@@ -414,10 +418,12 @@ impl PausedAttempt {
                     Ok(n.rows_affected() == 1)
                 })
             })
-            .await
+        })
+        .await
     }
 }
 
+#[derive(Clone)]
 enum Fenced {
     Intent,
     Heartbeat,
