@@ -94,6 +94,12 @@ impl Connector {
         self
     }
 
+    /// Whether the receiver declared an observable outcome ([`Connector::observable`]).
+    #[must_use]
+    pub fn is_observable(&self) -> bool {
+        self.observe_path.is_some()
+    }
+
     /// Sends `body` as a JSON POST with `Idempotency-Key: key`, and classifies the outcome.
     /// Cancellation before the connection exists sends nothing ([`EffectOutcome::NotApplied`]);
     /// after it, the outcome is uncertain unless the connector says otherwise.

@@ -55,11 +55,12 @@ pub struct PausedObservations {
 
 impl PausedObservations {
     /// Every state a pause can be in.
-    pub const STATES: [&'static str; 8] = [
+    pub const STATES: [&'static str; 9] = [
         "paused",
         "resumable",
         "timed_out",
         "leased",
+        "observing",
         "completed",
         "uncertain",
         "poisoned",
@@ -224,8 +225,8 @@ pub struct PauseStatus {
     pub run: String,
     /// Its step.
     pub step: String,
-    /// `paused`, `resumable`, `timed_out`, `leased`, `completed`, `uncertain`, `poisoned` or
-    /// `cancelled`.
+    /// `paused`, `resumable`, `timed_out`, `leased`, `observing`, `completed`, `uncertain`,
+    /// `poisoned` or `cancelled`.
     pub state: String,
     /// The pause's payload.
     pub payload: Value,

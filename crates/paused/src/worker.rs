@@ -62,6 +62,15 @@ pub struct PausedSource {
     pub(crate) store: PausedFlow,
 }
 
+/// Where recovery puts a pause whose request may have left: `observing` when the receiver
+/// can be asked (the next claim asks it), `uncertain` otherwise.
+fn quarantine_state(store: &PausedFlow) -> &'static str {
+    match &store.worker.connector {
+        Some(c) if c.is_observable() => "observing",
+        _ => "uncertain",
+    }
+}
+
 impl PausedSource {
     /// The store.
     #[must_use]
@@ -90,6 +99,7 @@ impl PausedSource {
         c: &mut sqlx::AnyConnection,
         q: &'static nexuscrm_persistence::Queries,
         now: i64,
+        quarantine: &'static str,
     ) -> Result<(), sqlx::Error> {
         sqlx::query(q.get("time_out"))
             .bind(now)
@@ -97,6 +107,7 @@ impl PausedSource {
             .execute(&mut *c)
             .await?;
         sqlx::query(q.get("quarantine_expired"))
+            .bind(quarantine)
             .bind(recovery_evidence(
                 "the lease expired after the effect intent was committed: the request may \
                  have been sent",
@@ -130,6 +141,7 @@ impl Source for PausedSource {
     async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
         let store = &self.store;
         let q = queries(store.db.dialect());
+        let quarantine = quarantine_state(store);
         let held = retrying(&cancel, || {
             let (db, fence, clock) = (
                 store.db.clone(),
@@ -142,10 +154,11 @@ impl Source for PausedSource {
                         return Ok(false);
                     }
                     let now = to_ms(clock.now());
-                    PausedSource::sweep(c, q, now).await?;
+                    PausedSource::sweep(c, q, now, quarantine).await?;
                     // A takeover: an older generation's effect with an intent may be in
                     // flight, so it is quarantined, never released as if nothing was sent.
                     sqlx::query(q.get("quarantine_older"))
+                        .bind(quarantine)
                         .bind(recovery_evidence(
                             "a newer generation took over after the effect intent was \
                              committed: the request may have been sent",
@@ -187,6 +200,7 @@ impl Source for PausedSource {
         let token = new_token();
         let lease_ms = store.worker.lease.as_millis() as i64;
         let limit = capacity.get() as i64;
+        let quarantine = quarantine_state(store);
         let claimed = retrying(&cancel, || {
             let (db, fence, clock) = (
                 store.db.clone(),
@@ -201,7 +215,7 @@ impl Source for PausedSource {
                     }
                     // "Now" once the transaction holds its locks.
                     let now = to_ms(clock.now());
-                    PausedSource::sweep(c, q, now).await?;
+                    PausedSource::sweep(c, q, now, quarantine).await?;
                     let ids: Vec<i64> = sqlx::query_scalar(q.get("eligible"))
                         .bind(now)
                         .bind(limit)
@@ -231,6 +245,9 @@ impl Source for PausedSource {
                                 resume_payload: crate::optional_json_at(r, 4)?,
                                 effect_key: text(r, 5)?,
                                 attempt: r.try_get(6)?,
+                                // Claimed with an intent: an `observing` pause, whose request
+                                // may have left; it is asked about, never resent.
+                                observe: r.try_get::<Option<i64>, _>(7)?.is_some(),
                             })
                         })
                         .collect::<Result<Vec<_>, sqlx::Error>>()
@@ -323,6 +340,7 @@ struct Claimed {
     resume_payload: Option<Value>,
     effect_key: String,
     attempt: i64,
+    observe: bool,
 }
 
 /// One claimed pause: its effect, sent at most once per intent.
@@ -425,9 +443,40 @@ impl PausedAttempt {
 
 #[derive(Clone)]
 enum Fenced {
+    /// Records the intent to send.
     Intent,
     Heartbeat,
     Done(Disposition),
+}
+
+impl PausedAttempt {
+    /// Recovery of an `observing` pause: its request may have left before a crash or lease
+    /// expiry, and the receiver can say whether it applied it. Applied: completed. Not
+    /// applied: released to be sent again with the same key. The receiver cannot say:
+    /// `uncertain`, for a person.
+    async fn observe(&self, connector: &crate::Connector) -> Result<(), AttemptError> {
+        let disposition = match connector.observe(&self.claimed.effect_key).await {
+            Ok(true) => Disposition::Finish(
+                "completed",
+                json!({"observed": true, "applied": true, "by": "recovery"}),
+            ),
+            Ok(false) => Disposition::Release(
+                Duration::ZERO,
+                json!({"observed": true, "applied": false, "by": "recovery"}),
+            ),
+            Err(e) => Disposition::Finish(
+                "uncertain",
+                json!({
+                    "error": format!("the request may have been sent, and the observation could not say: {e}"),
+                    "quarantined_by": "recovery",
+                }),
+            ),
+        };
+        self.fenced(&CancellationToken::new(), Fenced::Done(disposition))
+            .await
+            .map_err(attempt_error)?;
+        Ok(())
+    }
 }
 
 impl Attempt for PausedAttempt {
@@ -437,6 +486,9 @@ impl Attempt for PausedAttempt {
         let Some(connector) = store.worker.connector.clone() else {
             return Err(AttemptError::not_committed("no connector configured"));
         };
+        if self.claimed.observe {
+            return self.observe(&connector).await;
+        }
         // The intent commits before any byte leaves: from here on every reader knows a
         // request may have been sent. Cancelled before it (a drain), nothing was sent: the
         // pause is released at once.

@@ -62,34 +62,46 @@ async fn receiver() -> (u16, Receiver) {
         mode: Arc::new(Mutex::new(Mode::Ok)),
         got: Arc::default(),
     };
-    let app = Router::new()
-        .route(
-            "/effect",
-            post(|State(r): State<Receiver>, h: HeaderMap| async move {
-                let key = h
-                    .get("idempotency-key")
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or_default()
-                    .to_owned();
-                *r.got.lock().unwrap().entry(key).or_default() += 1;
-                let mode = *r.mode.lock().unwrap();
-                match mode {
-                    Mode::Ok => (StatusCode::OK, "done").into_response(),
-                    Mode::Reject => (StatusCode::UNPROCESSABLE_ENTITY, "no").into_response(),
-                    Mode::Busy => (
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        [("retry-after", "1")],
-                        "busy",
-                    )
-                        .into_response(),
-                    Mode::Hang => {
-                        tokio::time::sleep(Duration::from_secs(3600)).await;
-                        StatusCode::OK.into_response()
+    let app =
+        Router::new()
+            .route(
+                "/effect",
+                post(|State(r): State<Receiver>, h: HeaderMap| async move {
+                    let key = h
+                        .get("idempotency-key")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned();
+                    *r.got.lock().unwrap().entry(key).or_default() += 1;
+                    let mode = *r.mode.lock().unwrap();
+                    match mode {
+                        Mode::Ok => (StatusCode::OK, "done").into_response(),
+                        Mode::Reject => (StatusCode::UNPROCESSABLE_ENTITY, "no").into_response(),
+                        Mode::Busy => (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            [("retry-after", "1")],
+                            "busy",
+                        )
+                            .into_response(),
+                        Mode::Hang => {
+                            tokio::time::sleep(Duration::from_secs(3600)).await;
+                            StatusCode::OK.into_response()
+                        }
                     }
-                }
-            }),
-        )
-        .with_state(r.clone());
+                }),
+            )
+            .route(
+                "/observe",
+                axum::routing::get(
+                    |State(r): State<Receiver>,
+                     axum::extract::RawQuery(q): axum::extract::RawQuery| async move {
+                        let key = q.unwrap_or_default().trim_start_matches("key=").to_owned();
+                        let applied = r.got.lock().unwrap().contains_key(&key);
+                        axum::Json(json!({ "applied": applied }))
+                    },
+                ),
+            )
+            .with_state(r.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(async move {
@@ -373,6 +385,66 @@ async fn a_crash_after_the_intent_is_quarantined_at_lease_expiry_and_never_resen
                 "{d} {point:?}"
             );
             assert_eq!(rx.total(), sent, "{d} {point:?}: never resent blindly");
+            t.drop_database().await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_an_observable_receiver_a_crashed_effect_is_resolved_by_asking_never_resent_blindly() {
+    for d in DIALECTS {
+        // Before the effect nothing was sent: the receiver says "not applied", so it is sent
+        // (once). After the effect: "applied", so it completes without a second request.
+        for (point, want_total) in [(CrashPoint::BeforeEffect, 1), (CrashPoint::AfterEffect, 1)] {
+            let Some(t) = TestDb::create(d, "pobserve").await else {
+                continue;
+            };
+            let (port, rx) = receiver().await;
+            let observable = |faults: Faults| {
+                PausedOptions::default()
+                    .connector(
+                        Connector::new(&format!("http://127.0.0.1:{port}/effect"))
+                            .unwrap()
+                            .timeout(Duration::from_millis(300))
+                            .observable("/observe"),
+                    )
+                    .lease(Duration::from_secs(1))
+                    .backoff(Duration::from_millis(100))
+                    .generation_poll(Some(Duration::from_millis(100)))
+                    .listen(false)
+                    .faults(faults)
+            };
+            let faults = Faults::new();
+            faults.arm(point);
+            let crashing = PausedFlow::open(t.db.clone(), observable(faults.clone()))
+                .await
+                .unwrap();
+            crashing.take_ownership("test").await.unwrap();
+            let p = crashing
+                .pause(NewPause::new(
+                    "run-1",
+                    "charge",
+                    Duration::from_secs(3600),
+                    json!({}),
+                ))
+                .await
+                .unwrap();
+            crashing.resume(p.token.expose(), &json!({})).await.unwrap();
+            let ctl = Controller::new(crashing.source(), Config::new("paused")).unwrap();
+            let out =
+                tokio::time::timeout(Duration::from_secs(20), ctl.run(CancellationToken::new()))
+                    .await
+                    .expect("the crash stops the controller");
+            assert!(out.is_err(), "{d} {point:?}");
+            let fresh = PausedFlow::without_migrations(t.db.clone(), observable(Faults::none()));
+            let all = run_until(&fresh, Duration::from_secs(20), all_in("completed")).await;
+            let outcome = all[0].outcome.clone().unwrap();
+            assert_eq!(rx.total(), want_total, "{d} {point:?}: {outcome}");
+            assert_eq!(rx.max_per_key(), 1, "{d} {point:?}");
+            if point == CrashPoint::AfterEffect {
+                assert_eq!(outcome["observed"], true, "{d}: {outcome}");
+                assert_eq!(outcome["by"], "recovery", "{d}: {outcome}");
+            }
             t.drop_database().await;
         }
     }

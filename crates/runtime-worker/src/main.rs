@@ -122,8 +122,8 @@ enum PauseCommand {
     },
     /// The newest pauses, of one state or of all.
     List {
-        /// Only this state: paused, resumable, timed_out, leased, completed, uncertain,
-        /// poisoned, cancelled.
+        /// Only this state: paused, resumable, timed_out, leased, observing, completed,
+        /// uncertain, poisoned, cancelled.
         #[arg(long)]
         state: Option<String>,
         /// How many.
@@ -170,11 +170,12 @@ enum PauseCommand {
 }
 
 /// The pause states `pause list --state` accepts.
-const PAUSE_STATES: [&str; 8] = [
+const PAUSE_STATES: [&str; 9] = [
     "paused",
     "resumable",
     "timed_out",
     "leased",
+    "observing",
     "completed",
     "uncertain",
     "poisoned",

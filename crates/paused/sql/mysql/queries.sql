@@ -23,26 +23,26 @@ SELECT state, COUNT(*) FROM paused_step GROUP BY state
 -- name: time_out
 UPDATE paused_step SET state = 'timed_out', available_at = timeout_at, updated_at = ? WHERE state = 'paused' AND timeout_at <= ?
 -- name: quarantine_expired
-UPDATE paused_step SET state = 'uncertain', claim_token = NULL, lease_expires_at = NULL, outcome = ?, updated_at = ?
+UPDATE paused_step SET state = ?, claim_token = NULL, lease_expires_at = NULL, outcome = ?, updated_at = ?
 WHERE state = 'leased' AND lease_expires_at <= ? AND intent_at IS NOT NULL
 -- name: release_expired
 UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELSE 'resumable' END, claim_token = NULL,
     lease_expires_at = NULL, updated_at = ?
 WHERE state = 'leased' AND lease_expires_at <= ? AND intent_at IS NULL
 -- name: quarantine_older
-UPDATE paused_step SET state = 'uncertain', claim_token = NULL, lease_expires_at = NULL, outcome = ?, updated_at = ?
+UPDATE paused_step SET state = ?, claim_token = NULL, lease_expires_at = NULL, outcome = ?, updated_at = ?
 WHERE state = 'leased' AND owner_generation < ? AND intent_at IS NOT NULL
 -- name: release_older
 UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELSE 'resumable' END, claim_token = NULL,
     lease_expires_at = NULL, updated_at = ?
 WHERE state = 'leased' AND owner_generation < ? AND intent_at IS NULL
 -- name: eligible
-SELECT id FROM paused_step WHERE state IN ('resumable', 'timed_out') AND available_at <= ? ORDER BY id LIMIT ? FOR UPDATE
+SELECT id FROM paused_step WHERE state IN ('resumable', 'timed_out', 'observing') AND available_at <= ? ORDER BY id LIMIT ? FOR UPDATE
 -- name: lease
 UPDATE paused_step SET state = 'leased', claim_token = ?, lease_expires_at = ?, owner_generation = ?, attempts = attempts + 1, updated_at = ?
-WHERE id = ? AND state IN ('resumable', 'timed_out')
+WHERE id = ? AND state IN ('resumable', 'timed_out', 'observing')
 -- name: claimed
-SELECT id, run_ref, step, payload, resume_payload, effect_key, attempts FROM paused_step WHERE claim_token = ? AND state = 'leased' ORDER BY id
+SELECT id, run_ref, step, payload, resume_payload, effect_key, attempts, intent_at FROM paused_step WHERE claim_token = ? AND state = 'leased' ORDER BY id
 -- name: intent
 UPDATE paused_step SET intent_at = ?, intent_attempt = attempts, updated_at = ?
 WHERE id = ? AND claim_token = ? AND state = 'leased' AND lease_expires_at > ?
@@ -62,7 +62,7 @@ SELECT MIN(timeout_at) FROM paused_step WHERE state = 'paused'
 -- name: next_lease_expiry
 SELECT MIN(lease_expires_at) FROM paused_step WHERE state = 'leased'
 -- name: next_available
-SELECT MIN(available_at) FROM paused_step WHERE state IN ('resumable', 'timed_out')
+SELECT MIN(available_at) FROM paused_step WHERE state IN ('resumable', 'timed_out', 'observing')
 -- name: generation
 SELECT MAX(id), MAX(resumed_at), MAX(resolved_at) FROM paused_step
 -- name: oldest_uncertain

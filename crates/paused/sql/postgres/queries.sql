@@ -22,26 +22,26 @@ SELECT state, COUNT(*) FROM paused_step GROUP BY state
 -- name: time_out
 UPDATE paused_step SET state = 'timed_out', available_at = timeout_at, updated_at = $1 WHERE state = 'paused' AND timeout_at <= $2
 -- name: quarantine_expired
-UPDATE paused_step SET state = 'uncertain', claim_token = NULL, lease_expires_at = NULL, outcome = $1, updated_at = $2
-WHERE state = 'leased' AND lease_expires_at <= $3 AND intent_at IS NOT NULL
+UPDATE paused_step SET state = $1, claim_token = NULL, lease_expires_at = NULL, outcome = $2, updated_at = $3
+WHERE state = 'leased' AND lease_expires_at <= $4 AND intent_at IS NOT NULL
 -- name: release_expired
 UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELSE 'resumable' END, claim_token = NULL,
     lease_expires_at = NULL, updated_at = $1
 WHERE state = 'leased' AND lease_expires_at <= $2 AND intent_at IS NULL
 -- name: quarantine_older
-UPDATE paused_step SET state = 'uncertain', claim_token = NULL, lease_expires_at = NULL, outcome = $1, updated_at = $2
-WHERE state = 'leased' AND owner_generation < $3 AND intent_at IS NOT NULL
+UPDATE paused_step SET state = $1, claim_token = NULL, lease_expires_at = NULL, outcome = $2, updated_at = $3
+WHERE state = 'leased' AND owner_generation < $4 AND intent_at IS NOT NULL
 -- name: release_older
 UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELSE 'resumable' END, claim_token = NULL,
     lease_expires_at = NULL, updated_at = $1
 WHERE state = 'leased' AND owner_generation < $2 AND intent_at IS NULL
 -- name: eligible
-SELECT id FROM paused_step WHERE state IN ('resumable', 'timed_out') AND available_at <= $1 ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED
+SELECT id FROM paused_step WHERE state IN ('resumable', 'timed_out', 'observing') AND available_at <= $1 ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED
 -- name: lease
 UPDATE paused_step SET state = 'leased', claim_token = $1, lease_expires_at = $2, owner_generation = $3, attempts = attempts + 1, updated_at = $4
-WHERE id = $5 AND state IN ('resumable', 'timed_out')
+WHERE id = $5 AND state IN ('resumable', 'timed_out', 'observing')
 -- name: claimed
-SELECT id, run_ref, step, payload, resume_payload, effect_key, attempts FROM paused_step WHERE claim_token = $1 AND state = 'leased' ORDER BY id
+SELECT id, run_ref, step, payload, resume_payload, effect_key, attempts, intent_at FROM paused_step WHERE claim_token = $1 AND state = 'leased' ORDER BY id
 -- name: intent
 UPDATE paused_step SET intent_at = $1, intent_attempt = attempts, updated_at = $2
 WHERE id = $3 AND claim_token = $4 AND state = 'leased' AND lease_expires_at > $5
@@ -61,7 +61,7 @@ SELECT MIN(timeout_at) FROM paused_step WHERE state = 'paused'
 -- name: next_lease_expiry
 SELECT MIN(lease_expires_at) FROM paused_step WHERE state = 'leased'
 -- name: next_available
-SELECT MIN(available_at) FROM paused_step WHERE state IN ('resumable', 'timed_out')
+SELECT MIN(available_at) FROM paused_step WHERE state IN ('resumable', 'timed_out', 'observing')
 -- name: generation
 SELECT MAX(id), MAX(resumed_at), MAX(resolved_at) FROM paused_step
 -- name: oldest_uncertain
