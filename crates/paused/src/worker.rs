@@ -356,6 +356,8 @@ pub struct PausedAttempt {
 enum Disposition {
     Finish(&'static str, Value),
     Release(Duration, Value),
+    /// Released before anything was sent (a drain): the claim's attempt is given back.
+    Unclaim(Value),
 }
 
 impl PausedAttempt {
@@ -414,6 +416,17 @@ impl PausedAttempt {
                                 .bind(state)
                                 .bind(outcome.to_string())
                                 .bind(now)
+                                .bind(now)
+                                .bind(id)
+                                .bind(token.as_str())
+                                .bind(now)
+                                .execute(&mut *c)
+                                .await?
+                        }
+                        Fenced::Done(Disposition::Unclaim(outcome)) => {
+                            sqlx::query(q.get("release_unclaimed"))
+                                .bind(now)
+                                .bind(outcome.to_string())
                                 .bind(now)
                                 .bind(id)
                                 .bind(token.as_str())
@@ -507,7 +520,7 @@ impl Attempt for PausedAttempt {
                 return Ok(());
             }
             Err(WriteError::Cancelled) => {
-                let release = Disposition::Release(Duration::ZERO, json!({"released": "drain"}));
+                let release = Disposition::Unclaim(json!({"released": "drain"}));
                 self.fenced(&CancellationToken::new(), Fenced::Done(release))
                     .await
                     .map_err(attempt_error)?;

@@ -113,6 +113,18 @@ impl ScenarioAdapter for PausedScenarios {
         Ok(o.count("completed") as u64)
     }
 
+    async fn charged_attempts(&self, source: &PausedSource) -> Result<Option<u64>, BoxError> {
+        let sql = if self.dialect == Dialect::Mysql {
+            "SELECT CAST(COALESCE(SUM(attempts), 0) AS SIGNED) FROM paused_step"
+        } else {
+            "SELECT CAST(COALESCE(SUM(attempts), 0) AS BIGINT) FROM paused_step"
+        };
+        let n: i64 = sqlx::query_scalar(sql)
+            .fetch_one(source.store().db().pool())
+            .await?;
+        Ok(Some(n as u64))
+    }
+
     async fn block(&self, source: &PausedSource) -> Result<Box<dyn Any + Send>, BoxError> {
         // Hold the fence row (every claim and reconciliation locks it; SQLite: the write lock).
         let mut attempts = 0;

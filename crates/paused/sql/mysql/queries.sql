@@ -55,6 +55,11 @@ WHERE id = ? AND claim_token = ? AND state = 'leased' AND lease_expires_at > ?
 UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELSE 'resumable' END, claim_token = NULL,
     lease_expires_at = NULL, intent_at = NULL, available_at = ?, outcome = ?, updated_at = ?
 WHERE id = ? AND claim_token = ? AND state = 'leased' AND lease_expires_at > ?
+-- A release before anything was sent (a drain) gives the claim back: its attempt is not charged.
+-- name: release_unclaimed
+UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELSE 'resumable' END, claim_token = NULL,
+    lease_expires_at = NULL, attempts = attempts - 1, intent_at = NULL, available_at = ?, outcome = ?, updated_at = ?
+WHERE id = ? AND claim_token = ? AND state = 'leased' AND lease_expires_at > ?
 -- name: resolve
 UPDATE paused_step SET state = ?, intent_at = NULL, available_at = ?, outcome = ?, finished_at = ?, updated_at = ?, resolved_at = ? WHERE id = ? AND state = 'uncertain'
 -- name: next_timeout

@@ -54,6 +54,11 @@ WHERE id = $5 AND claim_token = $6 AND state = 'leased' AND lease_expires_at > $
 UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELSE 'resumable' END, claim_token = NULL,
     lease_expires_at = NULL, intent_at = NULL, available_at = $1, outcome = $2, updated_at = $3
 WHERE id = $4 AND claim_token = $5 AND state = 'leased' AND lease_expires_at > $6
+-- A release before anything was sent (a drain) gives the claim back: its attempt is not charged.
+-- name: release_unclaimed
+UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELSE 'resumable' END, claim_token = NULL,
+    lease_expires_at = NULL, attempts = attempts - 1, intent_at = NULL, available_at = $1, outcome = $2, updated_at = $3
+WHERE id = $4 AND claim_token = $5 AND state = 'leased' AND lease_expires_at > $6
 -- name: resolve
 UPDATE paused_step SET state = $1, intent_at = NULL, available_at = $2, outcome = $3, finished_at = $4, updated_at = $5, resolved_at = $6 WHERE id = $7 AND state = 'uncertain'
 -- name: next_timeout
