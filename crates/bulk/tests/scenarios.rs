@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use common::{job, test_config};
 use nexuscrm_bulk::{Bulk, BulkOptions, BulkSource, NewJob};
 use nexuscrm_persistence::testing::{
-    TestDb, fail_inserts, heal_inserts, lock_rows, lock_tables_against_reads,
+    TestDb, fail_inserts, heal_inserts, hold_fence, lock_rows, lock_tables_against_reads,
 };
 use nexuscrm_persistence::{Dialect, sqlx};
 use nexuscrm_worker::BoxError;
@@ -61,23 +61,7 @@ impl ScenarioAdapter for BulkScenarios {
 
     async fn block(&self, source: &BulkSource) -> Result<Box<dyn Any + Send>, BoxError> {
         // Hold the fence row (every claim and reconciliation locks it; SQLite: the write lock).
-        // On SQLite a previously cancelled write may still hold the lock for a moment (sqlx runs
-        // SQLite statements on a worker thread that finishes its queued command), so wait for it.
-        let mut attempts = 0;
-        let mut tx = loop {
-            match source.bulk().db().begin_write().await {
-                Ok(tx) => break tx,
-                Err(e) if attempts < 5 => {
-                    attempts += 1;
-                    eprintln!("block: retrying after {e}");
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
-        sqlx::query("UPDATE runtime_work_fence SET generation = generation")
-            .execute(tx.conn())
-            .await?;
-        Ok(Box::new(tx))
+        Ok(Box::new(hold_fence(source.bulk().db()).await?))
     }
 
     async fn block_reads(

@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 use common::test_config;
 use nexuscrm_flow::{Flow, FlowOptions, FlowSource, MisfirePolicy, NewSchedule, Spec};
 use nexuscrm_persistence::testing::{
-    TestDb, fail_inserts, heal_inserts, lock_rows, lock_tables_against_reads,
+    TestDb, fail_inserts, heal_inserts, hold_fence, lock_rows, lock_tables_against_reads,
 };
 use nexuscrm_persistence::{Dialect, sqlx};
 use nexuscrm_worker::BoxError;
@@ -72,21 +72,7 @@ impl ScenarioAdapter for FlowScenarios {
 
     async fn block(&self, source: &FlowSource) -> Result<Box<dyn Any + Send>, BoxError> {
         // Hold the fence row (every claim and reconciliation locks it; SQLite: the write lock).
-        let mut attempts = 0;
-        let mut tx = loop {
-            match source.flow().db().begin_write().await {
-                Ok(tx) => break tx,
-                Err(e) if attempts < 5 => {
-                    attempts += 1;
-                    eprintln!("block: retrying after {e}");
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
-        sqlx::query("UPDATE runtime_work_fence SET generation = generation")
-            .execute(tx.conn())
-            .await?;
-        Ok(Box::new(tx))
+        Ok(Box::new(hold_fence(source.flow().db()).await?))
     }
 
     async fn block_reads(

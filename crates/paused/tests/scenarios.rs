@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_paused::{Connector, NewPause, PausedFlow, PausedOptions, PausedSource};
-use nexuscrm_persistence::testing::{TestDb, lock_rows, lock_tables_against_reads};
+use nexuscrm_persistence::testing::{TestDb, hold_fence, lock_rows, lock_tables_against_reads};
 use nexuscrm_persistence::{Dialect, sqlx};
 use nexuscrm_worker::BoxError;
 use nexuscrm_worker_test::scenarios::{self, ScenarioAdapter};
@@ -127,21 +127,7 @@ impl ScenarioAdapter for PausedScenarios {
 
     async fn block(&self, source: &PausedSource) -> Result<Box<dyn Any + Send>, BoxError> {
         // Hold the fence row (every claim and reconciliation locks it; SQLite: the write lock).
-        let mut attempts = 0;
-        let mut tx = loop {
-            match source.store().db().begin_write().await {
-                Ok(tx) => break tx,
-                Err(e) if attempts < 5 => {
-                    attempts += 1;
-                    eprintln!("block: retrying after {e}");
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
-        sqlx::query("UPDATE runtime_work_fence SET generation = generation")
-            .execute(tx.conn())
-            .await?;
-        Ok(Box::new(tx))
+        Ok(Box::new(hold_fence(source.store().db()).await?))
     }
 
     async fn block_reads(

@@ -463,3 +463,30 @@ pub fn arbitrary_case_count() -> u32 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(2_000)
 }
+
+/// Holds the ownership fence row in an open write transaction until the returned guard is
+/// dropped (rolled back): every fenced claim, reconciliation and completion of any family then
+/// blocks on it (on SQLite, the write lock blocks every writer). On SQLite a write cancelled a
+/// moment ago may still hold the lock (sqlx finishes its queued statement on a worker thread),
+/// so `BEGIN` is retried a few times.
+///
+/// # Errors
+///
+/// When no write transaction can be begun, or the fence row cannot be locked.
+pub async fn hold_fence(db: &Db) -> Result<crate::WriteTx, sqlx::Error> {
+    let mut tries = 0;
+    let mut tx = loop {
+        match db.begin_write().await {
+            Ok(tx) => break tx,
+            Err(e) if tries < 5 => {
+                tries += 1;
+                eprintln!("hold_fence: retrying after {e}");
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    sqlx::query("UPDATE runtime_work_fence SET generation = generation")
+        .execute(tx.conn())
+        .await?;
+    Ok(tx)
+}
