@@ -1,4 +1,5 @@
-//! The admin HTTP server (loopback only): `/livez`, `/readyz`, `/snapshot`, `/metrics`.
+//! The admin HTTP server (loopback only): `/livez`, `/readyz`, `/snapshot`, `/metrics`, and
+//! `POST /paused/resume` when it is configured (see [`crate::resume`]).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -184,15 +185,22 @@ impl DatabaseCheck {
 pub(crate) struct Admin {
     pub(crate) families: Arc<Vec<Family>>,
     pub(crate) database: Arc<DatabaseCheck>,
+    /// `POST /paused/resume`, when `paused.resume_endpoint` is on.
+    pub(crate) resume: Option<crate::resume::ResumeEndpoint>,
 }
 
 pub(crate) fn router(admin: Admin) -> Router {
-    Router::new()
+    let resume = admin.resume.clone();
+    let router = Router::new()
         .route("/livez", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/snapshot", get(snapshot))
         .route("/metrics", get(metrics))
-        .with_state(admin)
+        .with_state(admin);
+    match resume {
+        Some(endpoint) => router.merge(endpoint.router()),
+        None => router,
+    }
 }
 
 async fn readyz(State(admin): State<Admin>) -> Response {

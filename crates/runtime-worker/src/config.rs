@@ -40,6 +40,10 @@ pub(crate) struct RawPaused {
     pub(crate) connector_idempotent: Option<bool>,
     pub(crate) connector_observe_path: Option<String>,
     pub(crate) generation_poll_secs: Option<u64>,
+    /// Serve `POST /paused/resume` on the admin server (default off).
+    pub(crate) resume_endpoint: Option<bool>,
+    /// The bearer secret the resume endpoint requires (at least 32 bytes).
+    pub(crate) resume_secret: Option<crate::resume::SecretText>,
 }
 
 /// The `[flow]` table (Scheduled Flow).
@@ -106,6 +110,8 @@ pub(crate) struct PausedSettings {
     pub(crate) lease: Duration,
     pub(crate) connector: Option<nexuscrm_paused::Connector>,
     pub(crate) generation_poll: Duration,
+    /// The resume endpoint's secret, when the endpoint is on.
+    pub(crate) resume_secret: Option<crate::resume::Secret>,
 }
 
 /// Validated `[flow]` settings.
@@ -207,7 +213,9 @@ impl RawConfig {
                 connector_timeout_secs,
                 connector_idempotent,
                 connector_observe_path,
-                generation_poll_secs
+                generation_poll_secs,
+                resume_endpoint,
+                resume_secret
             );
             self.paused = Some(p);
         }
@@ -260,6 +268,8 @@ impl RawConfig {
             connector_idempotent: parse("NEXUSCRM_PAUSED_CONNECTOR_IDEMPOTENT")?,
             connector_observe_path: var("NEXUSCRM_PAUSED_CONNECTOR_OBSERVE_PATH"),
             generation_poll_secs: parse("NEXUSCRM_PAUSED_GENERATION_POLL_SECS")?,
+            resume_endpoint: parse("NEXUSCRM_PAUSED_RESUME_ENDPOINT")?,
+            resume_secret: var("NEXUSCRM_PAUSED_RESUME_SECRET").map(crate::resume::SecretText),
         };
         Ok(RawConfig {
             flow: Some(flow),
@@ -512,7 +522,32 @@ fn validate_paused(p: RawPaused) -> Result<PausedSettings, String> {
             Some(c)
         }
     };
+    let resume_secret = match (p.resume_endpoint.unwrap_or(false), &p.resume_secret) {
+        (false, _) => None,
+        (true, None) => {
+            return Err(bad(
+                "paused.resume_secret",
+                "the resume endpoint is on (paused.resume_endpoint) but has no secret; set \
+                 paused.resume_secret or NEXUSCRM_PAUSED_RESUME_SECRET",
+            ));
+        }
+        (true, Some(crate::resume::SecretText(secret)))
+            if secret.len() < crate::resume::MIN_SECRET_BYTES =>
+        {
+            // The message never repeats the secret.
+            return Err(bad(
+                "paused.resume_secret",
+                format!(
+                    "is {} bytes; at least {} are needed (for example `openssl rand -hex 32`)",
+                    secret.len(),
+                    crate::resume::MIN_SECRET_BYTES
+                ),
+            ));
+        }
+        (true, Some(crate::resume::SecretText(secret))) => Some(crate::resume::Secret::new(secret)),
+    };
     Ok(PausedSettings {
+        resume_secret,
         enabled: p.enabled.unwrap_or(true) && connector.is_some(),
         capacity,
         reconcile_interval: Duration::from_secs(reconcile),
@@ -525,6 +560,35 @@ fn validate_paused(p: RawPaused) -> Result<PausedSettings, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_resume_endpoint_is_off_by_default_and_needs_a_long_secret_it_never_shows() {
+        let s = RawConfig::default().validate().unwrap();
+        assert!(s.paused.resume_secret.is_none());
+        let raw: RawConfig = toml::from_str("[paused]\nresume_endpoint = true").unwrap();
+        assert!(raw.validate().unwrap_err().contains("has no secret"));
+        let raw: RawConfig =
+            toml::from_str("[paused]\nresume_endpoint = true\nresume_secret = 'tiny-secret'")
+                .unwrap();
+        let e = raw.validate().unwrap_err();
+        assert!(
+            e.contains("`paused.resume_secret`") && !e.contains("tiny-secret"),
+            "{e}"
+        );
+        let long = "s".repeat(40);
+        let raw: RawConfig = toml::from_str(&format!(
+            "[paused]\nresume_endpoint = true\nresume_secret = '{long}'"
+        ))
+        .unwrap();
+        assert!(!format!("{raw:?}").contains(&long));
+        let s = raw.validate().unwrap();
+        assert!(s.paused.resume_secret.is_some());
+        assert!(!format!("{s:?}").contains(&long));
+        // A secret without the endpoint switched on serves nothing.
+        let raw: RawConfig =
+            toml::from_str(&format!("[paused]\nresume_secret = '{long}'")).unwrap();
+        assert!(raw.validate().unwrap().paused.resume_secret.is_none());
+    }
 
     #[test]
     fn unknown_keys_and_bad_values_name_the_key() {

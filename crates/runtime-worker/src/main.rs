@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 mod admin;
 mod config;
 mod http;
+mod resume;
 mod stall;
 mod supervise;
 

@@ -212,7 +212,17 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     let admin_state = admin::Admin {
         families: Arc::new(families.clone()),
         database: Arc::new(admin::DatabaseCheck::new(bulk.db().clone())),
+        resume: s
+            .paused
+            .resume_secret
+            .clone()
+            .map(|secret| crate::resume::ResumeEndpoint::new(paused.clone(), secret)),
     };
+    if admin_state.resume.is_some() {
+        tracing::info!(
+            "admin serves POST /paused/resume (bearer secret from paused.resume_secret)"
+        );
+    }
     let listener = tokio::net::TcpListener::bind(s.admin_addr)
         .await
         .map_err(|e| format!("cannot serve admin HTTP on {}: {e}", s.admin_addr))?;

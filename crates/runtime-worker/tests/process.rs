@@ -1247,3 +1247,136 @@ async fn the_demo_shows_bulk_schedules_and_a_paused_resumed_and_uncertain_step_t
     }
     t.drop_database().await;
 }
+
+/// `POST path` with `body` and optional `Authorization`; the status and body.
+fn post(port: u16, path: &str, auth: Option<&str>, body: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    let auth = auth.map_or_else(String::new, |a| format!("Authorization: {a}\r\n"));
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}Content-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let code = text.split_whitespace().nth(1)?.parse().ok()?;
+    Some((
+        code,
+        text.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_resume_endpoint_is_off_by_default_needs_its_secret_and_resumes_once() {
+    use std::sync::atomic::Ordering::SeqCst;
+    const SECRET: &str = "process-test-secret-0123456789abcdef";
+    let t = TestDb::create(Dialect::Sqlite, "resumehttp").await.unwrap();
+    let (port, hang, count) = effect_receiver().await;
+    hang.store(false, SeqCst);
+    let url = format!("http://127.0.0.1:{port}/effect");
+    let (ok, out, err) = cli(&t.url, &["pause", "create", "run-1", "approve"]);
+    assert!(ok, "{err}");
+    let mut lines = out.lines();
+    let id = lines.next().unwrap().to_owned();
+    let token = lines.next().unwrap().to_owned();
+    let body = format!(r#"{{"token": "{token}", "payload": {{"approved": true}}}}"#);
+
+    // Off by default: no such route.
+    let mut w = start_with_env(
+        &t.url,
+        "0.5",
+        &[],
+        &[("NEXUSCRM_PAUSED_CONNECTOR_URL", url.as_str())],
+    );
+    let bearer = format!("Bearer {SECRET}");
+    let (code, _) = post(w.port, "/paused/resume", Some(&bearer), &body).unwrap();
+    assert_eq!(code, 404, "the endpoint is off unless configured");
+    stop_clean(&mut w);
+
+    // On without a secret, or with a short one: a configuration error that names the key and
+    // never repeats the secret.
+    for (secret, says) in [
+        (None, "has no secret"),
+        (Some("short-secret"), "at least 32"),
+    ] {
+        let mut cmd = Command::new(BIN);
+        cmd.args([
+            "--database-url",
+            &t.url,
+            "run",
+            "--admin-addr",
+            "127.0.0.1:0",
+        ])
+        .env("NEXUSCRM_PAUSED_RESUME_ENDPOINT", "true")
+        .env_remove("NEXUSCRM_PAUSED_RESUME_SECRET");
+        if let Some(s) = secret {
+            cmd.env("NEXUSCRM_PAUSED_RESUME_SECRET", s);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("paused.resume_secret") && err.contains(says),
+            "{err}"
+        );
+        assert!(
+            !err.contains("short-secret"),
+            "the secret is never printed: {err}"
+        );
+    }
+
+    let mut w = start_with_env(
+        &t.url,
+        "0.5",
+        &[],
+        &[
+            ("NEXUSCRM_PAUSED_CONNECTOR_URL", url.as_str()),
+            ("NEXUSCRM_PAUSED_RESUME_ENDPOINT", "true"),
+            ("NEXUSCRM_PAUSED_RESUME_SECRET", SECRET),
+        ],
+    );
+    let (code, answer) = post(w.port, "/paused/resume", None, &body).unwrap();
+    assert_eq!(code, 401, "{answer}");
+    let (code, answer) = post(w.port, "/paused/resume", Some("Bearer wrong"), &body).unwrap();
+    assert_eq!(code, 401, "{answer}");
+    let (code, answer) = post(w.port, "/paused/resume", Some(&bearer), "{not json").unwrap();
+    assert_eq!(code, 400, "{answer}");
+    let (code, answer) = post(w.port, "/paused/resume", Some(&bearer), &body).unwrap();
+    assert_eq!(code, 200, "{answer}");
+    let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(
+        (v["id"].to_string(), &v["first"]),
+        (id.clone(), &serde_json::json!(true))
+    );
+    let (code, answer) = post(w.port, "/paused/resume", Some(&bearer), &body).unwrap();
+    assert_eq!(code, 200, "{answer}");
+    assert!(answer.contains("\"first\":false"), "{answer}");
+    // The worker sends the effect once and completes the step.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (ok, out, err) = cli(&t.url, &["pause", "show", &id]);
+        assert!(ok, "{err}");
+        let s: serde_json::Value = serde_json::from_str(&out).unwrap();
+        if s["state"] == "completed" {
+            assert_eq!(
+                s["resume_payload"],
+                serde_json::json!({"approved": true}),
+                "{s}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "never completed: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(count.load(SeqCst), 1);
+    stop_clean(&mut w);
+    let log = w.log.lock().unwrap().clone();
+    assert!(log.contains("POST /paused/resume"), "{log}");
+    assert!(!log.contains(SECRET) && !log.contains(&token[4..]), "{log}");
+    t.drop_database().await;
+}
