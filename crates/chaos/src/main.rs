@@ -1,6 +1,7 @@
 //! The chaos suite: the real Runtime Worker binary under `kill -9` cycles, a producer that is
-//! itself killed mid-submit and retried with the same key, optional database outages, then a
-//! clean drain, verified in SQL on the store.
+//! itself killed mid-submit and retried with the same key, a pauser whose resumes are killed
+//! and retried, optional database outages, then a clean drain, verified in SQL on the store and
+//! against the record of the suite's own effect receiver (Paused Flow).
 //!
 //! ```text
 //! cargo build --release -p nexuscrm-runtime-worker -p nexuscrm-chaos
@@ -80,10 +81,19 @@ struct Counts {
     producer_kills: AtomicU64,
     submits: AtomicU64,
     outages: AtomicU64,
+    resume_kills: AtomicU64,
+    orphan_creates: AtomicU64,
 }
 
 /// The jobs the producer saw acknowledged (exit 0), by key, with their row counts.
 type Acknowledged = Arc<Mutex<BTreeMap<String, u64>>>;
+
+/// Resumes the CLI acknowledged (exit 0): pause id, and the payload sent.
+type Resumes = Arc<Mutex<BTreeMap<i64, String>>>;
+
+/// How long each chaos pause waits for its resume; one in eight is never resumed and runs its
+/// effect when this passes.
+const PAUSE_TIMEOUT: &str = "20s";
 
 const SEGMENT: u64 = 25;
 /// The schedules every run creates: name, CLI definition, interval in ms.
@@ -205,10 +215,14 @@ async fn run(args: Args) -> Result<usize, String> {
             .ok_or_else(|| format!("the test URL does not name port {upstream}"))?,
         None => t.url.clone(),
     };
+    let receiver = Receiver::start()
+        .await
+        .map_err(|e| format!("cannot start the effect receiver: {e}"))?;
     let ctx = Ctx {
         worker,
         url: t.url.clone(),
         logs: logs.clone(),
+        connector: receiver.url.clone(),
     };
     let started = Instant::now();
     ctx.cli(&["migrate"])?;
@@ -221,6 +235,7 @@ async fn run(args: Args) -> Result<usize, String> {
     // The run phase: two workers killed at random, a producer killed at random, outages.
     let counts = Arc::new(Counts::default());
     let acknowledged: Acknowledged = Arc::default();
+    let resumes: Resumes = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let mut rng = Rng(seed);
     let mut threads = Vec::new();
@@ -244,6 +259,13 @@ async fn run(args: Args) -> Result<usize, String> {
         let mut rng = Rng(rng.next() | 1);
         std::thread::spawn(move || producer(&ctx, &url, &mut rng, &counts, &stop, &ack))
     };
+    let pauser = {
+        let (ctx, counts, stop, resumed) =
+            (ctx.clone(), counts.clone(), stop.clone(), resumes.clone());
+        let url = worker_url.clone();
+        let mut rng = Rng(rng.next() | 1);
+        std::thread::spawn(move || pauser(&ctx, &url, &mut rng, &counts, &stop, &resumed))
+    };
     let mut outage_rng = Rng(rng.next() | 1);
     while threads.iter().any(|t| !t.is_finished()) {
         if let Some(p) = &proxy {
@@ -264,6 +286,7 @@ async fn run(args: Args) -> Result<usize, String> {
         let _ = t.join();
     }
     let _ = producer.join();
+    let _ = pauser.join();
     let run_phase = started.elapsed();
 
     // The clean drain: one worker, direct to the store, until every job is terminal and every
@@ -288,6 +311,9 @@ async fn run(args: Args) -> Result<usize, String> {
         .clone();
     let v = verify(&t.db, &acknowledged).await?;
     anomalies.extend(v.anomalies.iter().cloned());
+    let resumes = resumes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let p = verify_paused(&t.db, &resumes, &receiver.received()).await?;
+    anomalies.extend(p.anomalies.iter().cloned());
     let panics = count_in_logs(&logs, "panicked");
     if panics > 0 {
         anomalies.push(format!("{panics} worker panic(s) in the logs"));
@@ -318,6 +344,25 @@ async fn run(args: Args) -> Result<usize, String> {
         v.gaps,
         started.elapsed().as_secs_f64(),
     );
+    println!(
+        "  paused flow: {} pauses ({} created by a killed or refused create, {} resumes \
+         acknowledged, {} resume kills), {} effects received; {} completed, {} uncertain ({} of \
+         them received: a kill after the send), {} timed out unresumed; anomalies: {} effects \
+         delivered twice, {} completed without delivery, {} unterminated, {} resumes lost",
+        p.pauses,
+        c.orphan_creates.load(Ordering::Relaxed),
+        p.acknowledged,
+        c.resume_kills.load(Ordering::Relaxed),
+        p.received,
+        p.completed,
+        p.uncertain,
+        p.uncertain_received,
+        p.timed_out,
+        p.delivered_twice,
+        p.phantom,
+        p.unterminated,
+        p.lost,
+    );
     for a in &anomalies {
         println!("  anomaly: {a}");
     }
@@ -336,6 +381,8 @@ struct Ctx {
     worker: PathBuf,
     url: String,
     logs: PathBuf,
+    /// The Paused Flow connector: the suite's own effect receiver.
+    connector: String,
 }
 
 impl Ctx {
@@ -383,6 +430,10 @@ impl Ctx {
                 "10",
             ])
             .env("NEXUSCRM_FLOW_LEASE_SECS", "0.5")
+            .env("NEXUSCRM_PAUSED_CONNECTOR_URL", &self.connector)
+            .env("NEXUSCRM_PAUSED_CONNECTOR_TIMEOUT_SECS", "0.5")
+            .env("NEXUSCRM_PAUSED_LEASE_SECS", "1")
+            .env("NEXUSCRM_PAUSED_GENERATION_POLL_SECS", "1")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -477,6 +528,236 @@ fn producer(
     }
 }
 
+/// Pauses runs and resumes them through the CLI; half the resumes are killed after 0-80 ms and
+/// retried with the same token and payload until one exits 0 (acknowledged). One pause in
+/// eight is left to time out.
+fn pauser(ctx: &Ctx, url: &str, rng: &mut Rng, c: &Counts, stop: &AtomicBool, resumed: &Resumes) {
+    let mut n = 0u64;
+    while !stop.load(Ordering::SeqCst) {
+        let run = format!("chaos-run-{n}");
+        let payload = format!("{{\"n\":{n}}}");
+        let created = loop {
+            let out = ctx
+                .command(url)
+                .args([
+                    "pause",
+                    "create",
+                    &run,
+                    "charge",
+                    "--timeout",
+                    PAUSE_TIMEOUT,
+                ])
+                .args(["--payload", &payload])
+                .output();
+            match out {
+                Ok(o) if o.status.success() => {
+                    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+                    let mut lines = text.lines();
+                    let id = lines.next().and_then(|l| l.trim().parse::<i64>().ok());
+                    let token = lines.next().map(|l| l.trim().to_owned());
+                    break id.zip(token);
+                }
+                // A create refused during an outage whose commit did land: its token never
+                // reached us, so it times out and runs its effect then.
+                Ok(o) if String::from_utf8_lossy(&o.stderr).contains("already paused") => {
+                    c.orphan_creates.fetch_add(1, Ordering::Relaxed);
+                    break None;
+                }
+                _ if stop.load(Ordering::SeqCst) => return,
+                _ => std::thread::sleep(Duration::from_millis(rng.between(20, 100))),
+            }
+        };
+        if let Some((id, token)) = created
+            && !rng.next().is_multiple_of(8)
+        {
+            let answer = format!("{{\"ok\":{n}}}");
+            loop {
+                let spawned = ctx
+                    .command(url)
+                    .args(["pause", "resume", &token, "--payload", &answer])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn();
+                let Ok(mut child) = spawned else {
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                };
+                if rng.next().is_multiple_of(2) {
+                    std::thread::sleep(Duration::from_millis(rng.between(0, 80)));
+                    if matches!(child.try_wait(), Ok(None)) {
+                        let _ = child.kill();
+                        c.resume_kills.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                match child.wait_with_output() {
+                    Ok(o) if o.status.success() => {
+                        resumed
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(id, answer);
+                        break;
+                    }
+                    // Timed out before a resume got through (a long outage): it runs anyway.
+                    Ok(o) if String::from_utf8_lossy(&o.stderr).contains("timed out") => break,
+                    _ if stop.load(Ordering::SeqCst) => return,
+                    _ => std::thread::sleep(Duration::from_millis(rng.between(0, 50))),
+                }
+            }
+        }
+        n += 1;
+        std::thread::sleep(Duration::from_millis(rng.between(20, 120)));
+    }
+}
+
+/// The Paused Flow connector's receiver: answers 200 to every effect and records each
+/// `Idempotency-Key` it received. One effect in ten takes 300 ms, so kills land mid-effect.
+struct Receiver {
+    url: String,
+    seen: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+impl Receiver {
+    async fn start() -> std::io::Result<Receiver> {
+        let seen: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+        let record = seen.clone();
+        let app = axum::Router::new().route(
+            "/effect",
+            axum::routing::post(move |headers: axum::http::HeaderMap| {
+                let record = record.clone();
+                async move {
+                    let key = headers
+                        .get("idempotency-key")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned();
+                    let slow = key
+                        .bytes()
+                        .fold(0u32, |a, b| a.wrapping_mul(31).wrapping_add(u32::from(b)))
+                        .is_multiple_of(10);
+                    *record
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .entry(key)
+                        .or_default() += 1;
+                    tokio::time::sleep(Duration::from_millis(if slow { 300 } else { 5 })).await;
+                    "applied"
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}/effect", listener.local_addr()?);
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Receiver { url, seen })
+    }
+
+    /// Requests received, by idempotency key.
+    fn received(&self) -> HashMap<String, u32> {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// What the Paused Flow store and the receiver say after the drain.
+#[derive(Debug, Default)]
+struct PausedVerified {
+    pauses: usize,
+    acknowledged: usize,
+    received: usize,
+    completed: usize,
+    uncertain: usize,
+    uncertain_received: usize,
+    timed_out: usize,
+    delivered_twice: usize,
+    phantom: usize,
+    unterminated: usize,
+    lost: usize,
+    anomalies: Vec<String>,
+}
+
+/// Every pause terminal (`completed` or `uncertain`: the receiver never refuses), no effect
+/// received twice (nobody asked for a retry), none completed without being received, none
+/// received that the store does not know, every acknowledged resume stored with its payload.
+async fn verify_paused(
+    db: &Db,
+    resumes: &BTreeMap<i64, String>,
+    received: &HashMap<String, u32>,
+) -> Result<PausedVerified, String> {
+    use sqlx::Row;
+    let err = |e: sqlx::Error| format!("reading the paused steps: {e}");
+    let rows =
+        sqlx::query("SELECT id, state, effect_key, resume_payload, resumed_at FROM paused_step")
+            .fetch_all(db.pool())
+            .await
+            .map_err(err)?;
+    let mut v = PausedVerified {
+        pauses: rows.len(),
+        acknowledged: resumes.len(),
+        received: received.values().map(|&n| n as usize).sum(),
+        ..PausedVerified::default()
+    };
+    let mut keys = std::collections::HashSet::new();
+    let mut stored = HashMap::new();
+    for r in &rows {
+        let id: i64 = r.try_get(0).map_err(err)?;
+        let state = text(r, 1).map_err(err)?;
+        let key = text(r, 2).map_err(err)?;
+        let payload = text(r, 3).ok();
+        let resumed_at: Option<i64> = r.try_get(4).map_err(err)?;
+        let times = received.get(&key).copied().unwrap_or(0);
+        match state.as_str() {
+            "completed" if times == 0 => {
+                v.completed += 1;
+                v.phantom += 1;
+                v.anomalies.push(format!(
+                    "pause {id} completed, but its effect was never received"
+                ));
+            }
+            "completed" => v.completed += 1,
+            "uncertain" => {
+                v.uncertain += 1;
+                if times > 0 {
+                    v.uncertain_received += 1;
+                }
+            }
+            other => {
+                v.unterminated += 1;
+                v.anomalies
+                    .push(format!("pause {id} is {other}, not completed or uncertain"));
+            }
+        }
+        if resumed_at.is_none() && matches!(state.as_str(), "completed" | "uncertain") {
+            v.timed_out += 1;
+        }
+        if times > 1 {
+            v.delivered_twice += 1;
+            v.anomalies.push(format!(
+                "pause {id}: its effect was received {times} times (no retry was asked for)"
+            ));
+        }
+        keys.insert(key);
+        stored.insert(id, payload);
+    }
+    for key in received.keys() {
+        if !keys.contains(key) {
+            v.anomalies
+                .push(format!("an effect with unknown key {key:?} was received"));
+        }
+    }
+    for (id, sent) in resumes {
+        match stored.get(id) {
+            Some(Some(p)) if p == sent => {}
+            other => {
+                v.lost += 1;
+                v.anomalies.push(format!(
+                    "pause {id}: resume {sent} acknowledged, stored {other:?}"
+                ));
+            }
+        }
+    }
+    Ok(v)
+}
+
 /// SIGTERM, then the exit status within `within`: 0 is a clean stop.
 fn terminate(child: &mut Child, within: Duration) -> Result<(), String> {
     let _ = Command::new("kill")
@@ -519,6 +800,12 @@ async fn wait_drained(db: &Db, within: Duration) -> Result<(), String> {
             "SELECT COUNT(*) FROM bulk_job WHERE state IN ('pending', 'running')",
         )
         .await?;
+        let pauses = scalar(
+            db,
+            "SELECT COUNT(*) FROM paused_step \
+             WHERE state IN ('paused', 'resumable', 'timed_out', 'leased', 'observing')",
+        )
+        .await?;
         let behind = scalar(
             db,
             &format!(
@@ -528,12 +815,13 @@ async fn wait_drained(db: &Db, within: Duration) -> Result<(), String> {
             ),
         )
         .await?;
-        if open == 0 && behind == 0 {
+        if open == 0 && behind == 0 && pauses == 0 {
             return Ok(());
         }
         if Instant::now() >= deadline {
             return Err(format!(
-                "not drained within {within:?}: {open} job(s) open, {behind} schedule(s) behind"
+                "not drained within {within:?}: {open} job(s) open, {behind} schedule(s) \
+                 behind, {pauses} pause(s) open"
             ));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
