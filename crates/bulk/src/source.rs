@@ -5,13 +5,14 @@ use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::AnyConnection;
 use nexuscrm_persistence::sqlx::{self, Row};
-use nexuscrm_persistence::{Dialect, ProbeError, Queries, WriteError};
+use nexuscrm_persistence::{Dialect, Queries, WriteError};
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
-use nexuscrm_persistence::support::{earliest, from_ms, new_token, retrying, text, to_ms};
+use nexuscrm_persistence::family;
+use nexuscrm_persistence::support::{new_token, retrying, text, to_ms};
 
 use crate::store::{Bulk, queries, row_problem};
 
@@ -122,14 +123,6 @@ async fn apply_rows(
     Ok(rows.len() as i64)
 }
 
-fn source_error(e: WriteError) -> SourceError {
-    if e.is_not_committed() {
-        SourceError::not_committed(e)
-    } else {
-        SourceError::new(e)
-    }
-}
-
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Claimed {
     id: i64,
@@ -180,21 +173,6 @@ pub(crate) fn mix_cursor(id: i64, owner: i64) -> u64 {
     (id as u64).wrapping_add((owner as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
 }
 
-/// The error a fenced-out claim or reconciliation returns: nothing committed, and a newer
-/// generation owns the family.
-pub(crate) fn superseded(generation: i64) -> SourceError {
-    SourceError::superseded(format!(
-        "generation {generation} is fenced out of `bulk`: a newer deployment generation owns it"
-    ))
-}
-
-fn probe_error(e: ProbeError) -> SourceError {
-    match e {
-        ProbeError::Cancelled => SourceError::not_committed("cancelled"),
-        other => SourceError::new(other),
-    }
-}
-
 impl Source for BulkSource {
     type Attempt = BulkAttempt;
 
@@ -212,34 +190,9 @@ impl Source for BulkSource {
 
     async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
         let inner = &self.bulk.inner;
-        let db = inner.db.clone();
-        let fence = inner.fence.clone();
-        let q = queries(db.dialect());
-        let held = retrying(&cancel, || {
-            let (db, fence, clock) = (db.clone(), fence.clone(), inner.clock.clone());
-            inner.db.write(&cancel, move |c| {
-                Box::pin(async move {
-                    if !fence.holds(c, &db).await? {
-                        return Ok(false);
-                    }
-                    // "Now" once the transaction holds its locks.
-                    let now = to_ms(clock.now());
-                    sqlx::query(q.get("release_older_generations"))
-                        .bind(now)
-                        .bind(fence.generation())
-                        .execute(&mut *c)
-                        .await?;
-                    Ok(true)
-                })
-            })
-        })
-        .await
-        .map_err(source_error)?;
-        if held {
-            Ok(())
-        } else {
-            Err(superseded(fence.generation()))
-        }
+        let release = queries(inner.db.dialect()).get("release_older_generations");
+        family::release_older_generations(&inner.db, &inner.fence, &inner.clock, &cancel, release)
+            .await
     }
 
     async fn claim(
@@ -248,62 +201,42 @@ impl Source for BulkSource {
         cancel: CancellationToken,
     ) -> Result<ClaimBatch<BulkAttempt>, SourceError> {
         let inner = &self.bulk.inner;
-        let db = inner.db.clone();
-        let fence = inner.fence.clone();
-        let dialect = db.dialect();
+        let dialect = inner.db.dialect();
         let q = queries(dialect);
         let token = new_token();
         let lease_ms = inner.cfg.lease.as_millis() as i64;
         let limit = capacity.get() as i64;
-        let claimed = retrying(&cancel, || {
-            let (db, fence, claim_token) = (db.clone(), fence.clone(), token.clone());
-            let clock = inner.clock.clone();
-            inner.db.write(&cancel, move |c| {
+        let generation = inner.fence.generation();
+        let claim_token = token.clone();
+        let mut jobs: Vec<Claimed> = family::fenced(
+            &inner.db,
+            &inner.fence,
+            &inner.clock,
+            &cancel,
+            move |c, now| {
+                let claim_token = claim_token.clone();
                 Box::pin(async move {
-                    if !fence.holds(c, &db).await? {
-                        return Ok(None); // Fenced out: claim nothing.
-                    }
-                    // "Now" once the transaction holds its locks (and anew on every retry), not
-                    // before it waited for them: a stale "now" misses jobs that fell due during
-                    // the wait and dates their leases in the past.
-                    let now = to_ms(clock.now());
-                    let lease_until = now + lease_ms;
-                    let query = sqlx::query(q.get("claim"))
+                    let claim = sqlx::query(q.get("claim"))
                         .bind(claim_token.as_str())
-                        .bind(lease_until)
-                        .bind(fence.generation())
+                        .bind(now + lease_ms)
+                        .bind(generation)
                         .bind(now)
                         .bind(now)
                         .bind(now)
                         .bind(limit);
-                    let rows = if dialect == Dialect::Mysql {
-                        // TiDB ignores RETURNING: read back the rows carrying this token.
-                        query.execute(&mut *c).await?;
-                        sqlx::query(q.get("claimed"))
-                            .bind(claim_token.as_str())
-                            .fetch_all(&mut *c)
-                            .await?
-                    } else {
-                        query.fetch_all(&mut *c).await?
-                    };
-                    rows.iter()
-                        .map(decode_claimed)
-                        .collect::<Result<Vec<_>, _>>()
-                        .map(Some)
+                    let rows =
+                        family::claim_rows(c, dialect, claim, q.get("claimed"), &claim_token)
+                            .await?;
+                    rows.iter().map(decode_claimed).collect()
                 })
-            })
-        })
-        .await
-        .map_err(source_error)?;
-        let Some(mut jobs) = claimed else {
-            return Err(superseded(fence.generation()));
-        };
+            },
+        )
+        .await?;
         inner
             .faults
             .hit(CrashPoint::AfterClaim)
             .map_err(SourceError::new)?;
         jobs.sort_by_key(|j| j.id);
-        let full = jobs.len() == capacity.get();
         let attempts: Vec<BulkAttempt> = jobs
             .into_iter()
             .map(|job| BulkAttempt {
@@ -312,12 +245,7 @@ impl Source for BulkSource {
                 token: token.clone(),
             })
             .collect();
-        // A full batch may have more behind it; a partial one is terminal.
-        Ok(if full {
-            ClaimBatch::more(attempts)
-        } else {
-            ClaimBatch::done(attempts)
-        })
+        Ok(family::batch(attempts, capacity))
     }
 
     async fn next_work_at(
@@ -326,26 +254,19 @@ impl Source for BulkSource {
     ) -> Result<Option<SystemTime>, SourceError> {
         let db = &self.bulk.inner.db;
         let q = queries(db.dialect());
-        let statements = [q.get("next_run_at"), q.get("next_lease_expiry")];
-        let read = earliest(db, &statements);
-        tokio::select! {
-            biased;
-            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
-            r = read => r.map(|t| t.map(from_ms)).map_err(SourceError::new),
-        }
+        family::next_work_at(
+            db,
+            &cancel,
+            &[q.get("next_run_at"), q.get("next_lease_expiry")],
+        )
+        .await
     }
 
     async fn generation(
         &self,
         cancel: CancellationToken,
     ) -> Result<Option<Generation>, SourceError> {
-        self.bulk
-            .inner
-            .probe
-            .start(&cancel, || self.max_id())
-            .await
-            .map(|g| g.map(Generation))
-            .map_err(probe_error)
+        family::generation(&self.bulk.inner.probe, &cancel, || self.max_id()).await
     }
 
     async fn generation_changed(
@@ -353,13 +274,7 @@ impl Source for BulkSource {
         seen: Generation,
         cancel: CancellationToken,
     ) -> Result<Generation, SourceError> {
-        self.bulk
-            .inner
-            .probe
-            .changed(seen.0, &cancel, || self.max_id())
-            .await
-            .map(Generation)
-            .map_err(probe_error)
+        family::generation_changed(&self.bulk.inner.probe, seen, &cancel, || self.max_id()).await
     }
 }
 
@@ -423,14 +338,7 @@ impl BulkAttempt {
             })
             .await
             .map_err(|e| {
-                let message = format!("releasing bulk job {id} failed: {e}");
-                // Proven not committed: the lease still holds the job and returns it when it
-                // ends; nothing is ambiguous, so the controller need not be replaced.
-                if e.is_not_committed() {
-                    AttemptError::not_committed(message)
-                } else {
-                    AttemptError::new(message)
-                }
+                family::attempt_error(format!("releasing bulk job {id} failed: {e}"), &e)
             })?;
         // The schedule changed (the job is claimable now or at its backoff): attempt completion
         // alone never causes a claim, so offer the controller a claim turn.

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::{Applied, applied, controller_config, job, test_config, wait_terminal};
 use nexuscrm_bulk::{Bulk, BulkConfig, BulkOptions, DECLARATION};
 use nexuscrm_persistence::testing::TestDb;
-use nexuscrm_persistence::{Db, DbOptions, Dialect, sqlx};
+use nexuscrm_persistence::{Db, Dialect, sqlx};
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Attempt, BoxError, Controller, Declaration, Source};
 use nexuscrm_worker_test::{CrashContext, CrashFamily, CrashMatrix};
@@ -98,10 +98,7 @@ impl CrashFamily for BulkFamily {
         fixture: &Arc<Fixture>,
         faults: Faults,
     ) -> Result<Arc<Worker>, BoxError> {
-        // Each worker is its own process: its own pool. A killed worker's last SQLite statement
-        // may still be finishing on its connection thread, so allow the restart more busy time.
-        let options = DbOptions::default().busy_timeout(Duration::from_secs(20));
-        let db = Db::connect_with(&fixture.test.url, options).await?;
+        let db = nexuscrm_persistence::testing::worker_db(&fixture.test.url).await?;
         Ok(Arc::new(Worker {
             fixture: fixture.clone(),
             db,
@@ -207,16 +204,7 @@ impl CrashFamily for BulkFamily {
 }
 
 fn run_matrix(dialect: Dialect) {
-    let available = tokio::runtime::Runtime::new().unwrap().block_on(async {
-        match TestDb::create(dialect, "probe").await {
-            Some(t) => {
-                t.drop_database().await;
-                true
-            }
-            None => false,
-        }
-    });
-    if !available {
+    if !nexuscrm_persistence::testing::available_blocking(dialect) {
         return;
     }
     let report = CrashMatrix::new(BulkFamily { dialect }).run();

@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use common::{job, test_config};
 use nexuscrm_bulk::{Bulk, BulkOptions, BulkSource, NewJob};
 use nexuscrm_persistence::testing::{
-    TestDb, fail_inserts, heal_inserts, hold_fence, lock_rows, lock_tables_against_reads,
+    TestDb, fail_inserts, heal_inserts, hold_fence, lock_family_against_reads, lock_rows,
 };
 use nexuscrm_persistence::{Dialect, sqlx};
 use nexuscrm_worker::BoxError;
@@ -69,17 +69,8 @@ impl ScenarioAdapter for BulkScenarios {
         source: &BulkSource,
     ) -> Result<Option<Box<dyn Any + Send>>, BoxError> {
         // Every table the family's reads touch (SQLite: None, its readers never wait).
-        let lock = lock_tables_against_reads(
-            source.bulk().db(),
-            &[
-                "bulk_job",
-                "bulk_input",
-                "runtime_work_fence",
-                "runtime_work_ownership",
-                "nexuscrm_schema",
-            ],
-        )
-        .await?;
+        let lock =
+            lock_family_against_reads(source.bulk().db(), &["bulk_job", "bulk_input"]).await?;
         Ok(lock.map(|l| Box::new(l) as Box<dyn Any + Send>))
     }
 
@@ -142,23 +133,15 @@ impl ScenarioAdapter for BulkScenarios {
 }
 
 async fn run(dialect: Dialect) {
-    let Some(probe) = TestDb::create(dialect, "probe").await else {
+    if !nexuscrm_persistence::testing::available(dialect).await {
         return;
-    };
-    probe.drop_database().await;
+    }
     let report = scenarios::run_all(&BulkScenarios { dialect }).await;
     println!("{report}");
-    // Every scenario applies on every backend (the polled probe is losable too).
-    if dialect == Dialect::Sqlite {
-        // SQLite in WAL mode never makes a reader wait, so reads cannot be blocked there, and
-        // its claim waits for the write lock rather than skipping a held row.
-        report.assert_all_passed_except(&["cancellation-of-blocked-reads", "overdue-suppression"]);
-    } else if dialect == Dialect::Mysql {
-        // The MySQL dialect's claim waits on a held row (no SKIP LOCKED on TiDB).
-        report.assert_all_passed_except(&["overdue-suppression"]);
-    } else {
-        report.assert_all_passed();
-    }
+    // Every other scenario applies on every backend (the polled probe is losable too).
+    report.assert_all_passed_except(nexuscrm_persistence::testing::scenarios_not_applicable(
+        dialect,
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

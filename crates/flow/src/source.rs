@@ -3,9 +3,10 @@
 use std::num::NonZeroUsize;
 use std::time::{Duration, SystemTime};
 
+use nexuscrm_persistence::WriteError;
+use nexuscrm_persistence::family::{self, attempt_error};
 use nexuscrm_persistence::sqlx::{self, Row};
-use nexuscrm_persistence::support::{earliest, from_ms, new_token, retrying, text, to_ms};
-use nexuscrm_persistence::{Dialect, ProbeError, WriteError};
+use nexuscrm_persistence::support::{new_token, retrying, text, to_ms};
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
 use tokio_util::sync::CancellationToken;
@@ -20,14 +21,6 @@ use crate::store::{Flow, queries};
 #[derive(Debug, Clone)]
 pub struct FlowSource {
     pub(crate) flow: Flow,
-}
-
-fn source_error(e: WriteError) -> SourceError {
-    if e.is_not_committed() {
-        SourceError::not_committed(e)
-    } else {
-        SourceError::new(e)
-    }
 }
 
 impl FlowSource {
@@ -62,21 +55,6 @@ async fn read_generation(db: &nexuscrm_persistence::Db) -> Result<u64, sqlx::Err
         .wrapping_add(owner.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
 }
 
-/// The error a fenced-out claim or reconciliation returns: nothing committed, and a newer
-/// generation owns the family.
-fn superseded(generation: i64) -> SourceError {
-    SourceError::superseded(format!(
-        "generation {generation} is fenced out of `flow`: a newer deployment generation owns it"
-    ))
-}
-
-fn probe_error(e: ProbeError) -> SourceError {
-    match e {
-        ProbeError::Cancelled => SourceError::not_committed("cancelled"),
-        other => SourceError::new(other),
-    }
-}
-
 impl Source for FlowSource {
     type Attempt = FlowAttempt;
 
@@ -92,32 +70,9 @@ impl Source for FlowSource {
 
     async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
         let inner = &self.flow.inner;
-        let q = queries(inner.db.dialect());
-        let held = retrying(&cancel, || {
-            let (db, fence) = (inner.db.clone(), inner.fence.clone());
-            let clock = inner.clock.clone();
-            inner.db.write(&cancel, move |c| {
-                Box::pin(async move {
-                    if !fence.holds(c, &db).await? {
-                        return Ok(false);
-                    }
-                    let now = to_ms(clock.now());
-                    sqlx::query(q.get("release_older_generations"))
-                        .bind(now)
-                        .bind(fence.generation())
-                        .execute(&mut *c)
-                        .await?;
-                    Ok(true)
-                })
-            })
-        })
-        .await
-        .map_err(source_error)?;
-        if held {
-            Ok(())
-        } else {
-            Err(superseded(inner.fence.generation()))
-        }
+        let release = queries(inner.db.dialect()).get("release_older_generations");
+        family::release_older_generations(&inner.db, &inner.fence, &inner.clock, &cancel, release)
+            .await
     }
 
     async fn claim(
@@ -131,53 +86,39 @@ impl Source for FlowSource {
         let token = new_token();
         let lease_ms = inner.cfg.lease.as_millis() as i64;
         let limit = capacity.get() as i64;
-        let claimed = retrying(&cancel, || {
-            let (db, fence, claim_token) = (inner.db.clone(), inner.fence.clone(), token.clone());
-            let clock = inner.clock.clone();
-            inner.db.write(&cancel, move |c| {
+        let generation = inner.fence.generation();
+        let claim_token = token.clone();
+        let mut schedules: Vec<(i64, i64)> = family::fenced(
+            &inner.db,
+            &inner.fence,
+            &inner.clock,
+            &cancel,
+            move |c, now| {
+                let claim_token = claim_token.clone();
                 Box::pin(async move {
-                    if !fence.holds(c, &db).await? {
-                        return Ok(None); // Fenced out: claim nothing.
-                    }
-                    // "Now" once the transaction holds its locks, not before it waited for them.
-                    let now = to_ms(clock.now());
-                    let lease_until = now + lease_ms;
-                    let query = sqlx::query(q.get("claim"))
+                    let claim = sqlx::query(q.get("claim"))
                         .bind(claim_token.as_str())
-                        .bind(lease_until)
-                        .bind(fence.generation())
+                        .bind(now + lease_ms)
+                        .bind(generation)
                         .bind(now)
                         .bind(now)
                         .bind(now)
                         .bind(limit);
-                    let rows = if dialect == Dialect::Mysql {
-                        // TiDB ignores RETURNING: read back the rows carrying this token.
-                        query.execute(&mut *c).await?;
-                        sqlx::query(q.get("claimed"))
-                            .bind(claim_token.as_str())
-                            .fetch_all(&mut *c)
-                            .await?
-                    } else {
-                        query.fetch_all(&mut *c).await?
-                    };
+                    let rows =
+                        family::claim_rows(c, dialect, claim, q.get("claimed"), &claim_token)
+                            .await?;
                     rows.iter()
                         .map(|r| Ok((r.try_get::<i64, _>(0)?, r.try_get::<i64, _>(1)?)))
-                        .collect::<Result<Vec<_>, sqlx::Error>>()
-                        .map(Some)
+                        .collect()
                 })
-            })
-        })
-        .await
-        .map_err(source_error)?;
-        let Some(mut schedules) = claimed else {
-            return Err(superseded(inner.fence.generation()));
-        };
+            },
+        )
+        .await?;
         inner
             .faults
             .hit(CrashPoint::AfterClaim)
             .map_err(SourceError::new)?;
         schedules.sort_unstable();
-        let full = schedules.len() == capacity.get();
         let attempts: Vec<FlowAttempt> = schedules
             .into_iter()
             .map(|(id, version)| FlowAttempt {
@@ -187,11 +128,7 @@ impl Source for FlowSource {
                 token: token.clone(),
             })
             .collect();
-        Ok(if full {
-            ClaimBatch::more(attempts)
-        } else {
-            ClaimBatch::done(attempts)
-        })
+        Ok(family::batch(attempts, capacity))
     }
 
     async fn next_work_at(
@@ -200,26 +137,19 @@ impl Source for FlowSource {
     ) -> Result<Option<SystemTime>, SourceError> {
         let db = &self.flow.inner.db;
         let q = queries(db.dialect());
-        let statements = [q.get("next_occurrence"), q.get("next_lease_expiry")];
-        let read = earliest(db, &statements);
-        tokio::select! {
-            biased;
-            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
-            r = read => r.map(|t| t.map(from_ms)).map_err(SourceError::new),
-        }
+        family::next_work_at(
+            db,
+            &cancel,
+            &[q.get("next_occurrence"), q.get("next_lease_expiry")],
+        )
+        .await
     }
 
     async fn generation(
         &self,
         cancel: CancellationToken,
     ) -> Result<Option<Generation>, SourceError> {
-        self.flow
-            .inner
-            .probe
-            .start(&cancel, || self.probe())
-            .await
-            .map(|g| g.map(Generation))
-            .map_err(probe_error)
+        family::generation(&self.flow.inner.probe, &cancel, || self.probe()).await
     }
 
     async fn generation_changed(
@@ -227,13 +157,7 @@ impl Source for FlowSource {
         seen: Generation,
         cancel: CancellationToken,
     ) -> Result<Generation, SourceError> {
-        self.flow
-            .inner
-            .probe
-            .changed(seen.0, &cancel, || self.probe())
-            .await
-            .map(Generation)
-            .map_err(probe_error)
+        family::generation_changed(&self.flow.inner.probe, seen, &cancel, || self.probe()).await
     }
 }
 
@@ -458,16 +382,6 @@ impl FlowAttempt {
             w.wake();
         }
         Ok(())
-    }
-}
-
-/// A disposition write that failed: proven not committed (the lease still holds the schedule
-/// and returns it when it ends; the controller need not be replaced), or unknown (fail stop).
-fn attempt_error(message: String, e: &WriteError) -> AttemptError {
-    if e.is_not_committed() {
-        AttemptError::not_committed(message)
-    } else {
-        AttemptError::new(message)
     }
 }
 

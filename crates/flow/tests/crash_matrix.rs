@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime};
 use common::{assert_exact, controller_config, cursors, ms, run_counts, runs_by_schedule};
 use nexuscrm_flow::{DECLARATION, Flow, FlowConfig, FlowOptions, MisfirePolicy, NewSchedule, Spec};
 use nexuscrm_persistence::testing::TestDb;
-use nexuscrm_persistence::{Db, DbOptions, Dialect};
+use nexuscrm_persistence::{Db, Dialect};
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Attempt, BoxError, Controller, Declaration, Source};
 use nexuscrm_worker_test::{CrashContext, CrashFamily, CrashMatrix};
@@ -130,8 +130,7 @@ impl CrashFamily for FlowFamily {
         fixture: &Arc<Fixture>,
         faults: Faults,
     ) -> Result<Arc<Worker>, BoxError> {
-        let options = DbOptions::default().busy_timeout(Duration::from_secs(20));
-        let db = Db::connect_with(&fixture.test.url, options).await?;
+        let db = nexuscrm_persistence::testing::worker_db(&fixture.test.url).await?;
         Ok(Arc::new(Worker {
             fixture: fixture.clone(),
             db,
@@ -247,16 +246,7 @@ impl CrashFamily for FlowFamily {
 }
 
 fn run_matrix(dialect: Dialect) {
-    let available = tokio::runtime::Runtime::new().unwrap().block_on(async {
-        match TestDb::create(dialect, "probe").await {
-            Some(t) => {
-                t.drop_database().await;
-                true
-            }
-            None => false,
-        }
-    });
-    if !available {
+    if !nexuscrm_persistence::testing::available_blocking(dialect) {
         return;
     }
     let report = CrashMatrix::new(FlowFamily { dialect }).run();

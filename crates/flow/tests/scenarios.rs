@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 use common::test_config;
 use nexuscrm_flow::{Flow, FlowOptions, FlowSource, MisfirePolicy, NewSchedule, Spec};
 use nexuscrm_persistence::testing::{
-    TestDb, fail_inserts, heal_inserts, hold_fence, lock_rows, lock_tables_against_reads,
+    TestDb, fail_inserts, heal_inserts, hold_fence, lock_family_against_reads, lock_rows,
 };
 use nexuscrm_persistence::{Dialect, sqlx};
 use nexuscrm_worker::BoxError;
@@ -80,17 +80,8 @@ impl ScenarioAdapter for FlowScenarios {
         source: &FlowSource,
     ) -> Result<Option<Box<dyn Any + Send>>, BoxError> {
         // Every table the family's reads touch (SQLite: None, its readers never wait).
-        let lock = lock_tables_against_reads(
-            source.flow().db(),
-            &[
-                "flow_schedule",
-                "flow_run",
-                "runtime_work_fence",
-                "runtime_work_ownership",
-                "nexuscrm_schema",
-            ],
-        )
-        .await?;
+        let lock =
+            lock_family_against_reads(source.flow().db(), &["flow_schedule", "flow_run"]).await?;
         Ok(lock.map(|l| Box::new(l) as Box<dyn Any + Send>))
     }
 
@@ -144,27 +135,19 @@ impl ScenarioAdapter for FlowScenarios {
 }
 
 async fn run(dialect: Dialect) {
-    let Some(probe) = TestDb::create(dialect, "probe").await else {
+    if !nexuscrm_persistence::testing::available(dialect).await {
         return;
-    };
-    probe.drop_database().await;
+    }
     let report = scenarios::run_all(&FlowScenarios {
         dialect,
         next: AtomicUsize::new(0),
     })
     .await;
     println!("{report}");
-    // Every scenario applies on every backend (the polled probe is losable too).
-    if dialect == Dialect::Sqlite {
-        // SQLite in WAL mode never makes a reader wait, so reads cannot be blocked there, and
-        // its claim waits for the write lock rather than skipping a held row.
-        report.assert_all_passed_except(&["cancellation-of-blocked-reads", "overdue-suppression"]);
-    } else if dialect == Dialect::Mysql {
-        // The MySQL dialect's claim waits on a held row (no SKIP LOCKED on TiDB).
-        report.assert_all_passed_except(&["overdue-suppression"]);
-    } else {
-        report.assert_all_passed();
-    }
+    // Every other scenario applies on every backend (the polled probe is losable too).
+    report.assert_all_passed_except(nexuscrm_persistence::testing::scenarios_not_applicable(
+        dialect,
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,9 +7,10 @@
 use std::num::NonZeroUsize;
 use std::time::{Duration, SystemTime};
 
+use nexuscrm_persistence::WriteError;
+use nexuscrm_persistence::family;
 use nexuscrm_persistence::sqlx::{self, Row};
-use nexuscrm_persistence::support::{earliest, from_ms, new_token, retrying, text, to_ms};
-use nexuscrm_persistence::{ProbeError, WriteError};
+use nexuscrm_persistence::support::{new_token, retrying, text, to_ms};
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
 use serde_json::{Value, json};
@@ -27,33 +28,9 @@ fn recovery_evidence(why: &str) -> String {
     .to_string()
 }
 
-fn source_error(e: WriteError) -> SourceError {
-    if e.is_not_committed() {
-        SourceError::not_committed(e)
-    } else {
-        SourceError::new(e)
-    }
-}
-
+/// A write error for an attempt, with the write's own message.
 fn attempt_error(e: WriteError) -> AttemptError {
-    if e.is_not_committed() {
-        AttemptError::not_committed(e)
-    } else {
-        AttemptError::new(e)
-    }
-}
-
-fn superseded(generation: i64) -> SourceError {
-    SourceError::superseded(format!(
-        "generation {generation} is fenced out of `paused`: a newer deployment generation owns it"
-    ))
-}
-
-fn probe_error(e: ProbeError) -> SourceError {
-    match e {
-        ProbeError::Cancelled => SourceError::not_committed("cancelled"),
-        other => SourceError::new(other),
-    }
+    family::attempt_error(e.to_string(), &e)
 }
 
 /// The Paused Flow family's [`Source`].
@@ -142,47 +119,37 @@ impl Source for PausedSource {
         let store = &self.store;
         let q = queries(store.db.dialect());
         let quarantine = quarantine_state(store);
-        let held = retrying(&cancel, || {
-            let (db, fence, clock) = (
-                store.db.clone(),
-                store.worker.fence.clone(),
-                store.clock.clone(),
-            );
-            store.db.write(&cancel, move |c| {
+        let generation = store.worker.fence.generation();
+        family::fenced(
+            &store.db,
+            &store.worker.fence,
+            &store.clock,
+            &cancel,
+            move |c, now| {
                 Box::pin(async move {
-                    if !fence.holds(c, &db).await? {
-                        return Ok(false);
-                    }
-                    let now = to_ms(clock.now());
                     PausedSource::sweep(c, q, now, quarantine).await?;
-                    // A takeover: an older generation's effect with an intent may be in
-                    // flight, so it is quarantined, never released as if nothing was sent.
+                    // A takeover: an older generation's effect with an intent may be in flight,
+                    // so it is quarantined, never released as if nothing was sent.
                     sqlx::query(q.get("quarantine_older"))
                         .bind(quarantine)
                         .bind(recovery_evidence(
-                            "a newer generation took over after the effect intent was \
-                             committed: the request may have been sent",
+                            "a newer generation took over after the effect intent was committed: \
+                         the request may have been sent",
                         ))
                         .bind(now)
-                        .bind(fence.generation())
+                        .bind(generation)
                         .execute(&mut *c)
                         .await?;
                     sqlx::query(q.get("release_older"))
                         .bind(now)
-                        .bind(fence.generation())
+                        .bind(generation)
                         .execute(&mut *c)
                         .await?;
-                    Ok(true)
+                    Ok(())
                 })
-            })
-        })
+            },
+        )
         .await
-        .map_err(source_error)?;
-        if held {
-            Ok(())
-        } else {
-            Err(superseded(store.worker.fence.generation()))
-        }
     }
 
     async fn claim(
@@ -201,20 +168,16 @@ impl Source for PausedSource {
         let lease_ms = store.worker.lease.as_millis() as i64;
         let limit = capacity.get() as i64;
         let quarantine = quarantine_state(store);
-        let claimed = retrying(&cancel, || {
-            let (db, fence, clock) = (
-                store.db.clone(),
-                store.worker.fence.clone(),
-                store.clock.clone(),
-            );
-            let claim_token = token.clone();
-            store.db.write(&cancel, move |c| {
+        let generation = store.worker.fence.generation();
+        let claim_token = token.clone();
+        let claimed: Vec<Claimed> = family::fenced(
+            &store.db,
+            &store.worker.fence,
+            &store.clock,
+            &cancel,
+            move |c, now| {
+                let claim_token = claim_token.clone();
                 Box::pin(async move {
-                    if !fence.holds(c, &db).await? {
-                        return Ok(None);
-                    }
-                    // "Now" once the transaction holds its locks.
-                    let now = to_ms(clock.now());
                     PausedSource::sweep(c, q, now, quarantine).await?;
                     let ids: Vec<i64> = sqlx::query_scalar(q.get("eligible"))
                         .bind(now)
@@ -225,7 +188,7 @@ impl Source for PausedSource {
                         sqlx::query(q.get("lease"))
                             .bind(claim_token.as_str())
                             .bind(now + lease_ms)
-                            .bind(fence.generation())
+                            .bind(generation)
                             .bind(now)
                             .bind(*id)
                             .execute(&mut *c)
@@ -250,22 +213,16 @@ impl Source for PausedSource {
                                 observe: r.try_get::<Option<i64>, _>(7)?.is_some(),
                             })
                         })
-                        .collect::<Result<Vec<_>, sqlx::Error>>()
-                        .map(Some)
+                        .collect()
                 })
-            })
-        })
-        .await
-        .map_err(source_error)?;
-        let Some(claimed) = claimed else {
-            return Err(superseded(store.worker.fence.generation()));
-        };
+            },
+        )
+        .await?;
         store
             .worker
             .faults
             .hit(CrashPoint::AfterClaim)
             .map_err(SourceError::new)?;
-        let full = claimed.len() == capacity.get();
         let attempts: Vec<PausedAttempt> = claimed
             .into_iter()
             .map(|c| PausedAttempt {
@@ -274,11 +231,7 @@ impl Source for PausedSource {
                 claimed: c,
             })
             .collect();
-        Ok(if full {
-            ClaimBatch::more(attempts)
-        } else {
-            ClaimBatch::done(attempts)
-        })
+        Ok(family::batch(attempts, capacity))
     }
 
     async fn next_work_at(
@@ -295,25 +248,14 @@ impl Source for PausedSource {
             q.get("next_lease_expiry"),
             q.get("next_available"),
         ];
-        let read = earliest(db, &statements);
-        tokio::select! {
-            biased;
-            () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
-            r = read => r.map(|t| t.map(from_ms)).map_err(SourceError::new),
-        }
+        family::next_work_at(db, &cancel, &statements).await
     }
 
     async fn generation(
         &self,
         cancel: CancellationToken,
     ) -> Result<Option<Generation>, SourceError> {
-        self.store
-            .worker
-            .probe
-            .start(&cancel, || self.read_generation())
-            .await
-            .map(|g| g.map(Generation))
-            .map_err(probe_error)
+        family::generation(&self.store.worker.probe, &cancel, || self.read_generation()).await
     }
 
     async fn generation_changed(
@@ -321,13 +263,8 @@ impl Source for PausedSource {
         seen: Generation,
         cancel: CancellationToken,
     ) -> Result<Generation, SourceError> {
-        self.store
-            .worker
-            .probe
-            .changed(seen.0, &cancel, || self.read_generation())
-            .await
-            .map(Generation)
-            .map_err(probe_error)
+        let probe = &self.store.worker.probe;
+        family::generation_changed(probe, seen, &cancel, || self.read_generation()).await
     }
 }
 

@@ -14,6 +14,8 @@
 //!
 //! - [`GenerationProbe`]: the cross-process generation probe (LISTEN/NOTIFY on PostgreSQL,
 //!   a polled cursor read elsewhere).
+//! - [`family`]: the shape every family's `Source` shares: the fenced transaction, the claim's
+//!   rows and batch, timer and generation reads, error classification.
 //! - [`support`]: epoch-millisecond times, text decoding, unique-violation and contention
 //!   detection, contention retries, claim tokens.
 //!
@@ -24,6 +26,7 @@
 
 mod db;
 mod error;
+pub mod family;
 mod migrate;
 mod ownership;
 mod probe;

@@ -490,3 +490,80 @@ pub async fn hold_fence(db: &Db) -> Result<crate::WriteTx, sqlx::Error> {
         .await?;
     Ok(tx)
 }
+
+/// Whether a `dialect` server is reachable for tests (an isolated database is created and
+/// dropped again). Under CI an unreachable server panics, as in [`TestDb::create`]; otherwise
+/// the message is printed and `false` returned, so the caller skips.
+pub async fn available(dialect: Dialect) -> bool {
+    match TestDb::create(dialect, "probe").await {
+        Some(t) => {
+            t.drop_database().await;
+            true
+        }
+        None => false,
+    }
+}
+
+/// [`available`] from synchronous code (a crash matrix drives its own runtimes).
+///
+/// # Panics
+///
+/// When no tokio runtime can be started.
+#[must_use]
+pub fn available_blocking(dialect: Dialect) -> bool {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime for the availability probe")
+        .block_on(available(dialect))
+}
+
+/// A worker's own handle on `url`, as a separate process would have: its own pool, with 20 s of
+/// SQLite busy time (a killed worker's last statement may still be finishing on its connection
+/// thread when the next one starts).
+///
+/// # Errors
+///
+/// When the database cannot be opened.
+pub async fn worker_db(url: &str) -> Result<Db, crate::DbError> {
+    Db::connect_with(
+        url,
+        DbOptions::default().busy_timeout(std::time::Duration::from_secs(20)),
+    )
+    .await
+}
+
+/// The tables every family's reads touch besides its own: the ownership fence and the schema
+/// versions.
+pub const SHARED_TABLES: &[&str] = &[
+    "runtime_work_fence",
+    "runtime_work_ownership",
+    "nexuscrm_schema",
+];
+
+/// [`lock_tables_against_reads`] of a family's own `tables` and the [`SHARED_TABLES`]: every
+/// read the family makes then waits.
+///
+/// # Errors
+///
+/// As [`lock_tables_against_reads`].
+pub async fn lock_family_against_reads(
+    db: &Db,
+    tables: &[&str],
+) -> Result<Option<ReadLock>, sqlx::Error> {
+    let all: Vec<&str> = tables.iter().chain(SHARED_TABLES).copied().collect();
+    lock_tables_against_reads(db, &all).await
+}
+
+/// The conformance scenarios (by name) that cannot apply to a family on `dialect`, whatever the
+/// family: SQLite in WAL mode never makes a reader wait, so reads cannot be blocked, and its
+/// claim waits for the write lock rather than skipping a held row (no overdue suppression to
+/// observe); the MySQL dialect's claim waits on a held row too (no `SKIP LOCKED` on TiDB).
+#[must_use]
+pub fn scenarios_not_applicable(dialect: Dialect) -> &'static [&'static str] {
+    match dialect {
+        Dialect::Sqlite => &["cancellation-of-blocked-reads", "overdue-suppression"],
+        Dialect::Mysql => &["overdue-suppression"],
+        Dialect::Postgres => &[],
+    }
+}

@@ -442,3 +442,82 @@ async fn a_mysql_deadlock_is_classified_as_rolled_back() {
     ));
     t.drop_database().await;
 }
+
+/// A fixed wall clock for the fenced write's "now".
+#[derive(Debug)]
+struct At(std::time::SystemTime);
+
+impl nexuscrm_worker::Clock for At {
+    fn now(&self) -> std::time::SystemTime {
+        self.0
+    }
+}
+
+/// The fenced write under test: records its "now".
+fn insert(c: &mut sqlx::AnyConnection, now: i64) -> nexuscrm_persistence::TxFuture<'_, i64> {
+    Box::pin(async move {
+        sqlx::query(&format!("INSERT INTO fenced_probe (at) VALUES ({now})"))
+            .execute(&mut *c)
+            .await?;
+        Ok(now)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_write_runs_only_while_its_generation_owns_the_family() {
+    use nexuscrm_persistence::family;
+    use std::sync::Arc;
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(1_900_000_000_123);
+    let clock: Arc<dyn nexuscrm_worker::Clock> = Arc::new(At(at));
+    for d in DIALECTS {
+        let Some(t) = TestDb::create(d, "fenced").await else {
+            continue;
+        };
+        t.db.migrate_ownership().await.unwrap();
+        sqlx::query("CREATE TABLE fenced_probe (at BIGINT NOT NULL)")
+            .execute(t.db.pool())
+            .await
+            .unwrap();
+        let never = CancellationToken::new();
+        let g1 = t.db.take_ownership("probe", 1, "a").await.unwrap();
+        // Owned: the work runs with "now" from the clock, and commits.
+        let now = family::fenced(&t.db, &g1, &clock, &never, insert)
+            .await
+            .unwrap();
+        assert_eq!(now, 1_900_000_000_123, "{d}");
+        // Fenced out by generation 2: superseded, and nothing written.
+        t.db.take_ownership("probe", 2, "b").await.unwrap();
+        let e = family::fenced(&t.db, &g1, &clock, &never, insert)
+            .await
+            .unwrap_err();
+        assert!(e.is_superseded(), "{d}: {e}");
+        assert!(
+            e.to_string()
+                .contains("generation 1 is fenced out of `probe`"),
+            "{e}"
+        );
+        let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM fenced_probe")
+            .fetch_one(t.db.pool())
+            .await
+            .unwrap();
+        assert_eq!(rows, 1, "{d}");
+        // Cancelled before it began: provably not committed.
+        let cancelled = CancellationToken::new();
+        cancelled.cancel();
+        let g2 = Fence::new("probe", 2);
+        let e = family::fenced(&t.db, &g2, &clock, &cancelled, insert)
+            .await
+            .unwrap_err();
+        assert!(e.is_not_committed(), "{d}: {e}");
+        t.drop_database().await;
+    }
+}
+
+#[test]
+fn a_batch_that_filled_every_slot_asks_for_more() {
+    use nexuscrm_persistence::family::batch;
+    let three = std::num::NonZeroUsize::new(3).unwrap();
+    assert!(batch(vec![1, 2, 3], three).has_more());
+    assert!(!batch(vec![1, 2], three).has_more());
+    assert!(!batch(Vec::<i32>::new(), three).has_more());
+}
