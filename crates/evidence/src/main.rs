@@ -1,8 +1,9 @@
 //! `nexuscrm-evidence`: the before/after statement report.
 //!
-//! Runs the project's controller-driven families and a polling baseline (a plain loop that
-//! claims from the same tables every N ms through the same `Source::claim`, and runs the same
-//! attempts) side by side on one PostgreSQL database, measured with `pg_stat_statements`, and
+//! Runs the project's controller-driven families and a hot-polling baseline (as many tasks as
+//! the capacity, each claiming through the same `Source::claim` and running the same attempts,
+//! claiming again at once while claims return work and sleeping 1 s after an empty one: what
+//! River, Oban and graphile-worker do) side by side on one PostgreSQL database, measured with `pg_stat_statements`, and
 //! writes a Markdown report (and JSON with stable keys). Each side connects as its own role, so
 //! the statement statistics of the two are separated without a second database.
 
@@ -12,6 +13,7 @@ mod cluster;
 mod measure;
 mod report;
 mod scenarios;
+mod tiny;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -52,7 +54,7 @@ struct Cli {
     /// PostgreSQL binaries, removed afterwards.
     #[arg(long)]
     database_url: Option<String>,
-    /// The baseline's poll interval, in milliseconds.
+    /// How long a baseline (hot poller) task sleeps after an empty claim, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     poll_ms: u64,
     /// The idle window per side, in seconds.
@@ -64,6 +66,10 @@ struct Cli {
     /// Tiny (one-row) jobs in the small drain workload and the contention scenario.
     #[arg(long, default_value_t = 1_000)]
     tiny_jobs: usize,
+    /// Jobs of the tiny-job Source (its own table; the attempt is one small write) in the third
+    /// drain workload.
+    #[arg(long, default_value_t = 20_000)]
+    queue_jobs: usize,
     /// The longest a baseline drain runs; its rate is measured over what it finished.
     #[arg(long, default_value_t = 20)]
     baseline_cap_secs: u64,
@@ -91,6 +97,7 @@ pub(crate) struct Plan {
     pub(crate) idle: Duration,
     pub(crate) drain_rows: usize,
     pub(crate) tiny_jobs: usize,
+    pub(crate) queue_jobs: usize,
     pub(crate) replicas: Vec<usize>,
     pub(crate) baseline_cap: Duration,
     pub(crate) due_items: usize,
@@ -124,6 +131,7 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
         idle: Duration::from_secs(cli.idle_secs.max(1)),
         drain_rows: cli.drain_rows.max(100),
         tiny_jobs: cli.tiny_jobs.max(1),
+        queue_jobs: cli.queue_jobs.max(1),
         replicas: vec![1, 2, 4],
         baseline_cap: Duration::from_secs(cli.baseline_cap_secs.max(1)),
         due_items: cli.due_items.max(1),
@@ -133,6 +141,7 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
         plan.idle = Duration::from_secs(3);
         plan.drain_rows = 2_000;
         plan.tiny_jobs = 100;
+        plan.queue_jobs = 500;
         plan.replicas = vec![1, 2];
         plan.baseline_cap = Duration::from_secs(3);
         plan.due_items = 10;
@@ -159,8 +168,8 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
     }
     if matches!(which, Scenario::All | Scenario::Drain) {
         eprintln!(
-            "drain: {} rows and {} tiny jobs ...",
-            plan.drain_rows, plan.tiny_jobs
+            "drain: {} rows, {} one-row jobs and {} tiny jobs ...",
+            plan.drain_rows, plan.tiny_jobs, plan.queue_jobs
         );
         report.drain = scenarios::drain(&env, &plan).await?;
     }

@@ -71,9 +71,14 @@ impl Report {
     }
 
     fn drain_pick(&self, side: &str) -> Option<&DrainRun> {
+        self.drain_at(side, "bulk", 1)
+    }
+
+    /// The drain run of `side` on the workload whose name contains `workload`, with `replicas`.
+    fn drain_at(&self, side: &str, workload: &str, replicas: usize) -> Option<&DrainRun> {
         self.drain
             .iter()
-            .find(|d| d.side == side && d.replicas == 1 && d.workload.starts_with("bulk"))
+            .find(|d| d.side == side && d.replicas == replicas && d.workload.contains(workload))
     }
 
     /// The summary table.
@@ -134,26 +139,48 @@ impl Report {
                 ratio >= 100.0,
             ));
         }
-        if let (Some(c), Some(b)) = (self.drain_pick("controller"), self.drain_pick("baseline")) {
-            let r = c.items_per_s / b.items_per_s.max(f64::MIN_POSITIVE);
-            t.push((
-                "drain throughput at least 1.5x the baseline's".into(),
-                format!("{}x", f(r)),
-                r >= 1.5,
-            ));
-            t.push((
-                "drain statements per item no more than the baseline's".into(),
-                format!(
-                    "{} vs {} (claims: the controller {} for {} items, the baseline {} for {})",
-                    f(c.statements_per_item),
-                    f(b.statements_per_item),
-                    c.claims,
-                    c.items_done,
-                    b.claims,
-                    b.items_done
-                ),
-                c.statements_per_item <= b.statements_per_item,
-            ));
+        let most = self.plan.replicas.iter().copied().max().unwrap_or(1);
+        let mut counts = vec![1];
+        if most > 1 {
+            counts.push(most);
+        }
+        for (workload, label) in [("bulk", "Bulk"), ("own table", "tiny jobs")] {
+            for &r in &counts {
+                let (Some(c), Some(b)) = (
+                    self.drain_at("controller", workload, r),
+                    self.drain_at("baseline", workload, r),
+                ) else {
+                    continue;
+                };
+                let ratio = c.items_per_s / b.items_per_s.max(f64::MIN_POSITIVE);
+                t.push((
+                    format!("{label}, {r} replica(s): drain at least 1.5x the hot poller's"),
+                    format!(
+                        "{}x ({} vs {} items/s)",
+                        f(ratio),
+                        f(c.items_per_s),
+                        f(b.items_per_s)
+                    ),
+                    ratio >= 1.5,
+                ));
+                t.push((
+                    format!(
+                        "{label}, {r} replica(s): statements per item no more than the hot poller's"
+                    ),
+                    format!(
+                        "{} vs {} (claims: the controller {} for {} items, the poller {} for {})",
+                        f(c.statements_per_item),
+                        f(b.statements_per_item),
+                        c.claims,
+                        c.items_done,
+                        b.claims,
+                        b.items_done
+                    ),
+                    c.statements_per_item <= b.statements_per_item,
+                ));
+            }
+        }
+        if let Some(c) = self.drain_pick("controller") {
             t.push((
                 "well under 1 statement per Bulk row".into(),
                 f(c.statements_per_item),
@@ -201,10 +228,12 @@ impl Report {
             out,
             "Machine: {} cores; PostgreSQL {} (private cluster unless `--database-url` was given), \
              `pg_stat_statements` reset before every phase and filtered to the side's own role \
-             (`ev_controller`, `ev_baseline`) in one database. Baseline: a loop that claims \
-             through the same `Source::claim` every {} ms and runs the same attempts \
-             (capacity 4 for Bulk, 8 for Flow, as the controllers). Utility statements \
-             (BEGIN, COMMIT) count as statements.\n",
+             (`ev_controller`, `ev_baseline`) in one database. Baseline: a **hot poller**, what \
+             River, Oban and graphile-worker do: as many tasks as the capacity (4 for Bulk, 8 \
+             for Flow and the tiny jobs, as the controllers), each claiming one item through \
+             the same `Source::claim` and running the same attempt, claiming again at once \
+             while claims return work, and sleeping {} ms only after an empty claim. \
+             Utility statements (BEGIN, COMMIT) count as statements.\n",
             self.cores,
             self.postgres,
             p.poll.as_millis()
@@ -215,9 +244,10 @@ impl Report {
             "\nDrain columns: the Bulk workload with one replica; idle: both families running \
              on empty tables; due: Scheduled Flow occurrences. Targets (goals for the code, \
              measured here): controller idle statements/hour at most (3600 / backstop) x \
-             (statements per reconciliation), at least 100x fewer than the baseline; drain at \
-             least 1.5x the baseline with no more statements per item; due lateness p50 under \
-             2 ms and p99 under 5 ms.\n\n",
+             (statements per reconciliation), at least 100x fewer than the baseline; Bulk and \
+             tiny jobs (a small Source over its own table, as a user would write one), 1 and 4 \
+             replicas: drain at least 1.5x the hot poller with no more statements per item; due \
+             lateness p50 under 2 ms and p99 under 5 ms.\n\n",
         );
         out.push_str("## Targets\n\n| target | measured | met |\n|---|---|---|\n");
         for (target, measured, met) in self.targets() {

@@ -19,33 +19,40 @@ use tokio_util::sync::CancellationToken;
 use crate::measure::{Digest, Env, Side, Totals, totals};
 use crate::{AnyError, Plan};
 
-/// The polling baseline: every `every`, claim up to the free capacity through the same
-/// `Source::claim` and run the same attempts. Attempt completion does not trigger a claim;
-/// the next tick does, as in a plain polling worker.
-async fn poll<S: Source>(src: S, capacity: usize, every: Duration, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut running: JoinSet<()> = JoinSet::new();
-    let never = CancellationToken::new();
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => break,
-            _ = tick.tick() => {}
-        }
-        while running.try_join_next().is_some() {}
-        let Some(free) = NonZeroUsize::new(capacity.saturating_sub(running.len())) else {
-            continue;
-        };
-        if let Ok(batch) = src.claim(free, never.clone()).await {
-            for a in batch.into_parts().0 {
-                let cancel = stop.clone();
-                running.spawn(async move {
-                    let _ = a.run(cancel).await;
-                });
+/// The baseline: a hot poller, what River, Oban and graphile-worker do. `capacity` tasks,
+/// each claiming one item through the same `Source::claim` and running the same attempt, and
+/// claiming again at once while claims return work; a task sleeps `idle` only after an empty
+/// (or failed) claim. Nothing wakes it early: new work waits for the sleep to end.
+async fn hot_poll<S>(src: S, capacity: usize, idle: Duration, stop: CancellationToken)
+where
+    S: Source + Send + Sync + 'static,
+{
+    let src = Arc::new(src);
+    let one = NonZeroUsize::MIN;
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    for _ in 0..capacity {
+        let (src, stop) = (src.clone(), stop.clone());
+        tasks.spawn(async move {
+            let never = CancellationToken::new();
+            while !stop.is_cancelled() {
+                let attempts = match src.claim(one, never.clone()).await {
+                    Ok(batch) => batch.into_parts().0,
+                    Err(_) => Vec::new(),
+                };
+                if attempts.is_empty() {
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        () = tokio::time::sleep(idle) => {}
+                    }
+                    continue;
+                }
+                for a in attempts {
+                    let _ = a.run(stop.clone()).await;
+                }
             }
-        }
+        });
     }
-    while running.join_next().await.is_some() {}
+    while tasks.join_next().await.is_some() {}
 }
 
 /// One replica of one family, either side.
@@ -60,6 +67,8 @@ struct Replica {
 enum Family {
     Bulk,
     Flow,
+    /// The tiny-job Source ([`crate::tiny`]).
+    Tiny,
 }
 
 async fn replica(
@@ -75,6 +84,8 @@ async fn replica(
     let (capacity, name, cooldown) = match family {
         Family::Bulk => (4, "bulk", Duration::from_millis(20)),
         Family::Flow => (8, "flow", Duration::ZERO),
+        // As the user wrote it: capacity 8, no cooldown.
+        Family::Tiny => (8, "tiny", Duration::ZERO),
     };
     macro_rules! start {
         ($source:expr, $set_waker:expr) => {{
@@ -96,9 +107,9 @@ async fn replica(
                     (task, Some(handle), counts)
                 }
                 Side::Baseline => {
-                    let every = plan.poll;
+                    let idle = plan.poll;
                     (
-                        tokio::spawn(poll(source, capacity, every, stop)),
+                        tokio::spawn(hot_poll(source, capacity, idle, stop)),
                         None,
                         counts,
                     )
@@ -117,6 +128,8 @@ async fn replica(
             let f = flow.clone();
             start!(flow.source(), |w| f.set_waker(w))
         }
+        // Its drain is submitted before the replicas start: no wake source is needed.
+        Family::Tiny => start!(crate::tiny::TinySource { db: db.clone() }, |_| ()),
     };
     Ok(Replica {
         task,
@@ -269,43 +282,77 @@ pub(crate) struct DrainRun {
 
 const DONE_JOBS: &str = "SELECT COUNT(*) FROM bulk_job WHERE state IN ('succeeded', 'poisoned')";
 
+/// What one drain run drains.
+#[derive(Clone, Copy)]
+enum Work {
+    /// Bulk jobs of `per_job` rows.
+    Bulk { jobs: usize, per_job: usize },
+    /// Jobs of the tiny-job Source.
+    Tiny { jobs: usize },
+}
+
 async fn one_drain(
     env: &Env,
     plan: &Plan,
     side: Side,
     replicas: usize,
     workload: &str,
-    jobs: usize,
-    per_job: usize,
+    work: Work,
 ) -> Result<(DrainRun, u64), AnyError> {
     env.reset_tables().await?;
-    submit(env, workload, jobs, per_job).await?;
+    crate::tiny::reset(&env.db).await?;
+    let (family, items, done_sql) = match work {
+        Work::Bulk { jobs, per_job } => {
+            submit(env, workload, jobs, per_job).await?;
+            (Family::Bulk, jobs as i64, DONE_JOBS.to_owned())
+        }
+        Work::Tiny { jobs } => {
+            crate::tiny::submit(&env.db, jobs).await?;
+            (
+                Family::Tiny,
+                jobs as i64,
+                format!("SELECT {jobs} - COUNT(*) FROM tiny_job"),
+            )
+        }
+    };
     env.reset_stats().await?;
     let stop = CancellationToken::new();
     let started = Instant::now();
     let mut rs = Vec::new();
     for _ in 0..replicas {
-        rs.push(replica(env, side, Family::Bulk, plan, &stop).await?);
+        rs.push(replica(env, side, family, plan, &stop).await?);
     }
     let cap = match side {
         Side::Controller => Duration::from_secs(300),
         Side::Baseline => plan.baseline_cap,
     };
-    env.wait_count(DONE_JOBS, jobs as i64, cap).await;
+    env.wait_count(&done_sql, items, cap).await;
     let secs = started.elapsed().as_secs_f64();
     let digests = env.digests(side).await?;
     let (claims, empty, _) = stop_all(rs, &stop).await;
     // Items finished within the measured time (a capped baseline stops mid-way).
-    let items_done: i64 = if per_job == 1 {
-        sqlx::query_scalar(DONE_JOBS)
+    let (items, items_done): (i64, i64) = match work {
+        Work::Bulk { per_job: 1, .. } => (
+            items,
+            sqlx::query_scalar(DONE_JOBS)
+                .fetch_one(env.db.pool())
+                .await?,
+        ),
+        Work::Bulk { jobs, per_job } => (
+            (jobs * per_job) as i64,
+            sqlx::query_scalar(
+                "SELECT CAST(COALESCE(SUM(applied_rows), 0) AS BIGINT) FROM bulk_job",
+            )
             .fetch_one(env.db.pool())
-            .await?
-    } else {
-        sqlx::query_scalar("SELECT CAST(COALESCE(SUM(applied_rows), 0) AS BIGINT) FROM bulk_job")
-            .fetch_one(env.db.pool())
-            .await?
+            .await?,
+        ),
+        Work::Tiny { .. } => (
+            items,
+            sqlx::query_scalar(&done_sql)
+                .fetch_one(env.db.pool())
+                .await?,
+        ),
     };
-    let items = (jobs * per_job) as i64;
     let t: Totals = totals(&digests);
     let per = |x: i64| x as f64 / items_done.max(1) as f64;
     Ok((
@@ -337,25 +384,31 @@ pub(crate) async fn drain(env: &Env, plan: &Plan) -> Result<Vec<DrainRun>, AnyEr
                 plan.drain_rows,
                 plan.drain_rows / 100
             ),
-            plan.drain_rows / 100,
-            100,
+            Work::Bulk {
+                jobs: plan.drain_rows / 100,
+                per_job: 100,
+            },
         ),
         (
             format!("{} one-row jobs", plan.tiny_jobs),
-            plan.tiny_jobs,
-            1,
+            Work::Bulk {
+                jobs: plan.tiny_jobs,
+                per_job: 1,
+            },
+        ),
+        (
+            format!("{} tiny jobs (own table)", plan.queue_jobs),
+            Work::Tiny {
+                jobs: plan.queue_jobs,
+            },
         ),
     ];
     let mut out = Vec::new();
-    for (name, jobs, per_job) in &workloads {
+    for (name, work) in &workloads {
         for &r in &plan.replicas {
             for side in [Side::Controller, Side::Baseline] {
                 eprintln!("  {name}, {r} replica(s), {}", side.key());
-                out.push(
-                    one_drain(env, plan, side, r, name, *jobs, *per_job)
-                        .await?
-                        .0,
-                );
+                out.push(one_drain(env, plan, side, r, name, *work).await?.0);
             }
         }
     }
