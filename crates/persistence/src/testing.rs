@@ -158,8 +158,19 @@ impl TestDb {
         options: DbOptions,
         create_suffix: &str,
     ) -> Option<TestDb> {
+        TestDb::create_at(dialect, None, label, options, create_suffix).await
+    }
+
+    async fn create_at(
+        dialect: Dialect,
+        server: Option<(&str, &str)>,
+        label: &str,
+        options: DbOptions,
+        create_suffix: &str,
+    ) -> Option<TestDb> {
         let name = unique(label);
         let admin_url = match dialect {
+            _ if server.is_some() => server.map(|(url, _)| url.to_owned()).unwrap_or_default(),
             Dialect::Sqlite => {
                 let dir = std::env::temp_dir().join("nexuscrm-tests");
                 std::fs::create_dir_all(&dir).expect("create the SQLite test directory");
@@ -185,17 +196,20 @@ impl TestDb {
             match Db::connect_with(&admin_url, DbOptions::default().max_connections(1)).await {
                 Ok(db) => db,
                 Err(e) => {
+                    let what = server.map_or_else(|| dialect.to_string(), |(_, w)| w.to_owned());
                     if std::env::var_os("CI").is_some() {
-                        panic!("{dialect} test server unavailable under CI: {e}");
+                        panic!("{what} test server unavailable under CI: {e}");
                     }
-                    eprintln!(
-                        "\n*** SKIPPING {label} on {dialect}: test server unavailable ({e}). \
-                     Start it, or set NEXUSCRM_TEST_{}_URL. CI fails instead of skipping. ***\n",
-                        if dialect == Dialect::Postgres {
-                            "POSTGRES"
-                        } else {
-                            "MYSQL"
+                    let hint = match (server, dialect) {
+                        (Some(_), _) => {
+                            "Start it with scripts/galera.sh start, or set NEXUSCRM_TEST_GALERA_URLS"
                         }
+                        (None, Dialect::Postgres) => "Start it, or set NEXUSCRM_TEST_POSTGRES_URL",
+                        (None, _) => "Start it, or set NEXUSCRM_TEST_MYSQL_URL",
+                    };
+                    eprintln!(
+                        "\n*** SKIPPING {label} on {what}: test server unavailable ({e}). \
+                         {hint}. CI fails instead of skipping. ***\n"
                     );
                     return None;
                 }
@@ -489,6 +503,58 @@ pub async fn hold_fence(db: &Db) -> Result<crate::WriteTx, sqlx::Error> {
         .execute(tx.conn())
         .await?;
     Ok(tx)
+}
+
+/// The three-node Galera cluster of `scripts/galera.sh` (or `NEXUSCRM_TEST_GALERA_URLS`, three
+/// comma-separated `mysql://` server URLs): one client URL per node.
+#[must_use]
+pub fn galera_servers() -> Vec<String> {
+    match std::env::var("NEXUSCRM_TEST_GALERA_URLS") {
+        Ok(v) if !v.trim().is_empty() => v.split(',').map(|u| u.trim().to_owned()).collect(),
+        _ => (1..=3)
+            .map(|n| format!("mysql://root@127.0.0.1:{}/test", 23306 + n))
+            .collect(),
+    }
+}
+
+/// An isolated database on the Galera cluster: created through node 1 (DDL replicates), with
+/// its URL on every node.
+#[derive(Debug)]
+pub struct GaleraDb {
+    /// The database through node 1 (dropped by [`GaleraDb::drop_database`]).
+    pub test: TestDb,
+    /// The database's URL on each node, node 1 first.
+    pub nodes: Vec<String>,
+}
+
+impl GaleraDb {
+    /// Creates the database, or `None` (after a loud message) when the cluster is not running
+    /// outside CI.
+    ///
+    /// # Panics
+    ///
+    /// Under CI when the cluster is unreachable, or when creating the database fails.
+    pub async fn create(label: &str) -> Option<GaleraDb> {
+        let servers = galera_servers();
+        let test = TestDb::create_at(
+            Dialect::Mysql,
+            Some((&servers[0], "the Galera cluster")),
+            label,
+            DbOptions::default(),
+            "",
+        )
+        .await?;
+        let nodes = servers
+            .iter()
+            .map(|s| with_database(s, &test.name))
+            .collect();
+        Some(GaleraDb { test, nodes })
+    }
+
+    /// Drops the database (through node 1).
+    pub async fn drop_database(self) {
+        self.test.drop_database().await;
+    }
 }
 
 /// Whether a `dialect` server is reachable for tests (an isolated database is created and
