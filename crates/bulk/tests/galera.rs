@@ -39,9 +39,13 @@ async fn four_workers_over_three_galera_nodes_apply_every_row_exactly_once() {
     let Some(g) = GaleraDb::create("galera_bulk").await else {
         return;
     };
-    let producer = Bulk::open(g.test.db.clone(), 1, BulkOptions::default().config(test_config()))
-        .await
-        .expect("migrate through node 1");
+    let producer = Bulk::open(
+        g.test.db.clone(),
+        1,
+        BulkOptions::default().config(test_config()),
+    )
+    .await
+    .expect("migrate through node 1");
     producer.take_ownership("test").await.unwrap();
     let mut ids = Vec::new();
     for j in 0..200 {
@@ -68,8 +72,7 @@ async fn four_workers_over_three_galera_nodes_apply_every_row_exactly_once() {
                     BulkOptions::default().config(test_config()),
                 );
                 let ctl =
-                    Controller::new(bulk.source(), controller_config(&format!("w{w}"), 4))
-                        .unwrap();
+                    Controller::new(bulk.source(), controller_config(&format!("w{w}"), 4)).unwrap();
                 bulk.set_waker(ctl.waker());
                 match ctl.run(cancel.clone()).await {
                     Ok(ctl) => {

@@ -192,28 +192,29 @@ impl TestDb {
             Dialect::Mysql => std::env::var("NEXUSCRM_TEST_MYSQL_URL")
                 .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
         };
-        let admin =
-            match Db::connect_with(&admin_url, DbOptions::default().max_connections(1)).await {
-                Ok(db) => db,
-                Err(e) => {
-                    let what = server.map_or_else(|| dialect.to_string(), |(_, w)| w.to_owned());
-                    if std::env::var_os("CI").is_some() {
-                        panic!("{what} test server unavailable under CI: {e}");
-                    }
-                    let hint = match (server, dialect) {
-                        (Some(_), _) => {
-                            "Start it with scripts/galera.sh start, or set NEXUSCRM_TEST_GALERA_URLS"
-                        }
-                        (None, Dialect::Postgres) => "Start it, or set NEXUSCRM_TEST_POSTGRES_URL",
-                        (None, _) => "Start it, or set NEXUSCRM_TEST_MYSQL_URL",
-                    };
-                    eprintln!(
-                        "\n*** SKIPPING {label} on {what}: test server unavailable ({e}). \
-                         {hint}. CI fails instead of skipping. ***\n"
-                    );
-                    return None;
+        let admin = match Db::connect_with(&admin_url, DbOptions::default().max_connections(1))
+            .await
+        {
+            Ok(db) => db,
+            Err(e) => {
+                let what = server.map_or_else(|| dialect.to_string(), |(_, w)| w.to_owned());
+                if std::env::var_os("CI").is_some() {
+                    panic!("{what} test server unavailable under CI: {e}");
                 }
-            };
+                let hint = match (server, dialect) {
+                    (Some(_), _) => {
+                        "Start it with scripts/galera.sh start, or set NEXUSCRM_TEST_GALERA_URLS"
+                    }
+                    (None, Dialect::Postgres) => "Start it, or set NEXUSCRM_TEST_POSTGRES_URL",
+                    (None, _) => "Start it, or set NEXUSCRM_TEST_MYSQL_URL",
+                };
+                eprintln!(
+                    "\n*** SKIPPING {label} on {what}: test server unavailable ({e}). \
+                         {hint}. CI fails instead of skipping. ***\n"
+                );
+                return None;
+            }
+        };
         purge_stale(&admin, dialect).await;
         admin
             .pool()

@@ -1,0 +1,52 @@
+//! The ownership fence on a three-node MariaDB Galera cluster (`scripts/galera.sh start`; CI
+//! starts it). Row locks are local to a node there: a fence read's shared lock on node 1 does
+//! not stop a takeover committed through node 3, but when the takeover's write set is applied
+//! on node 1 it brute-force aborts the transaction holding that lock, so the old generation's
+//! commit fails as a deadlock (a proven rollback) and nothing of it lands.
+
+use nexuscrm_persistence::testing::GaleraDb;
+use nexuscrm_persistence::{Db, sqlx};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_through_another_node_is_seen_by_the_old_generations_commit() {
+    let Some(g) = GaleraDb::create("galera_fence").await else {
+        return;
+    };
+    g.test.db.migrate_ownership().await.unwrap();
+    sqlx::query("CREATE TABLE fenced_probe (id BIGINT PRIMARY KEY, generation BIGINT NOT NULL)")
+        .execute(g.test.db.pool())
+        .await
+        .unwrap();
+    let node1 = Db::connect(&g.nodes[0]).await.unwrap();
+    let node3 = Db::connect(&g.nodes[2]).await.unwrap();
+    let g1 = node1.take_ownership("probe", 1, "gen-1").await.unwrap();
+    // Generation 1 (node 1) reads the fence under its shared lock, as every claim does ...
+    let mut tx = node1.begin_write().await.unwrap();
+    assert!(g1.holds(tx.conn(), &node1).await.unwrap());
+    // ... generation 2 takes over through node 3 and commits ...
+    node3.take_ownership("probe", 2, "gen-2").await.unwrap();
+    // ... then generation 1 writes and commits.
+    let wrote = sqlx::query("INSERT INTO fenced_probe (id, generation) VALUES (1, 1)")
+        .execute(&mut *tx.conn())
+        .await;
+    let committed = match wrote {
+        Ok(_) => tx.commit().await,
+        Err(e) => {
+            tx.rollback().await;
+            Err(e)
+        }
+    };
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM fenced_probe")
+        .fetch_one(node3.pool())
+        .await
+        .unwrap();
+    println!("galera fence: generation 1's commit after the takeover: {committed:?}, rows {rows}");
+    assert!(
+        committed.is_err() && rows == 0,
+        "generation 1 committed after generation 2's takeover had committed ({committed:?}, \
+         {rows} row): on Galera the fence's shared lock is local to node 1"
+    );
+    node1.close().await;
+    node3.close().await;
+    g.drop_database().await;
+}
