@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::{Applied, applied, controller_config, job, test_config, wait_terminal};
 use nexuscrm_bulk::{Bulk, BulkConfig, BulkOptions, DECLARATION};
-use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_persistence::testing::{GaleraDb, TestDb};
 use nexuscrm_persistence::{Db, Dialect, sqlx};
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Attempt, BoxError, Controller, Declaration, Source};
@@ -24,10 +24,15 @@ const ROWS: usize = 30;
 
 struct BulkFamily {
     dialect: Dialect,
+    /// On the three-node Galera cluster (MySQL dialect), each worker on the next node.
+    galera: bool,
 }
 
 struct Fixture {
     test: TestDb,
+    /// The database's URL on each Galera node (empty off Galera).
+    nodes: Vec<String>,
+    next: std::sync::atomic::AtomicUsize,
 }
 
 struct Worker {
@@ -78,7 +83,11 @@ impl CrashFamily for BulkFamily {
     type Worker = Worker;
 
     fn label(&self) -> String {
-        format!("bulk/{}", self.dialect)
+        if self.galera {
+            "bulk/galera".into()
+        } else {
+            format!("bulk/{}", self.dialect)
+        }
     }
 
     fn declaration(&self) -> Declaration {
@@ -86,11 +95,23 @@ impl CrashFamily for BulkFamily {
     }
 
     async fn fixture(&self) -> Result<Fixture, BoxError> {
-        let test = TestDb::create(self.dialect, "crash")
-            .await
-            .ok_or("test database unavailable")?;
+        let (test, nodes) = if self.galera {
+            let g = GaleraDb::create("crash")
+                .await
+                .ok_or("Galera cluster unavailable")?;
+            (g.test, g.nodes)
+        } else {
+            let t = TestDb::create(self.dialect, "crash")
+                .await
+                .ok_or("test database unavailable")?;
+            (t, Vec::new())
+        };
         Bulk::open(test.db.clone(), 1, BulkOptions::default()).await?;
-        Ok(Fixture { test })
+        Ok(Fixture {
+            test,
+            nodes,
+            next: Default::default(),
+        })
     }
 
     async fn new_worker(
@@ -98,7 +119,15 @@ impl CrashFamily for BulkFamily {
         fixture: &Arc<Fixture>,
         faults: Faults,
     ) -> Result<Arc<Worker>, BoxError> {
-        let db = nexuscrm_persistence::testing::worker_db(&fixture.test.url).await?;
+        let url = match fixture.nodes.len() {
+            0 => fixture.test.url.clone(),
+            n => fixture.nodes[fixture
+                .next
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                % n]
+                .clone(),
+        };
+        let db = nexuscrm_persistence::testing::worker_db(&url).await?;
         Ok(Arc::new(Worker {
             fixture: fixture.clone(),
             db,
@@ -207,7 +236,11 @@ fn run_matrix(dialect: Dialect) {
     if !nexuscrm_persistence::testing::available_blocking(dialect) {
         return;
     }
-    let report = CrashMatrix::new(BulkFamily { dialect }).run();
+    let report = CrashMatrix::new(BulkFamily {
+        dialect,
+        galera: false,
+    })
+    .run();
     println!("{report}");
     report.assert_passed();
 }
@@ -225,4 +258,20 @@ fn bulk_postgres_crash_matrix() {
 #[test]
 fn bulk_mysql_crash_matrix() {
     run_matrix(Dialect::Mysql);
+}
+
+/// On the three-node Galera cluster: each restarted worker on the next node, so recovery and
+/// the takeover run through other nodes than the crash.
+#[test]
+fn bulk_galera_crash_matrix() {
+    if !nexuscrm_persistence::testing::galera_available_blocking() {
+        return;
+    }
+    let report = CrashMatrix::new(BulkFamily {
+        dialect: Dialect::Mysql,
+        galera: true,
+    })
+    .run();
+    println!("{report}");
+    report.assert_passed();
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 
 use common::{assert_exact, controller_config, cursors, ms, run_counts, runs_by_schedule};
 use nexuscrm_flow::{DECLARATION, Flow, FlowConfig, FlowOptions, MisfirePolicy, NewSchedule, Spec};
-use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_persistence::testing::{GaleraDb, TestDb};
 use nexuscrm_persistence::{Db, Dialect};
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Attempt, BoxError, Controller, Declaration, Source};
@@ -26,10 +26,15 @@ const BACKFILL_SECS: u64 = 12;
 
 struct FlowFamily {
     dialect: Dialect,
+    /// On the three-node Galera cluster (MySQL dialect), each worker on the next node.
+    galera: bool,
 }
 
 struct Fixture {
     test: TestDb,
+    /// The database's URL on each Galera node (empty off Galera).
+    nodes: Vec<String>,
+    next: std::sync::atomic::AtomicUsize,
     start: SystemTime,
 }
 
@@ -106,7 +111,11 @@ impl CrashFamily for FlowFamily {
     type Worker = Worker;
 
     fn label(&self) -> String {
-        format!("flow/{}", self.dialect)
+        if self.galera {
+            "flow/galera".into()
+        } else {
+            format!("flow/{}", self.dialect)
+        }
     }
 
     fn declaration(&self) -> Declaration {
@@ -114,15 +123,28 @@ impl CrashFamily for FlowFamily {
     }
 
     async fn fixture(&self) -> Result<Fixture, BoxError> {
-        let test = TestDb::create(self.dialect, "crash")
-            .await
-            .ok_or("test database unavailable")?;
+        let (test, nodes) = if self.galera {
+            let g = GaleraDb::create("crash")
+                .await
+                .ok_or("Galera cluster unavailable")?;
+            (g.test, g.nodes)
+        } else {
+            let t = TestDb::create(self.dialect, "crash")
+                .await
+                .ok_or("test database unavailable")?;
+            (t, Vec::new())
+        };
         Flow::open(test.db.clone(), 1, FlowOptions::default()).await?;
         let now = ms(SystemTime::now());
         let start = nexuscrm_persistence::support::from_ms(
             (now / 1000) * 1000 - BACKFILL_SECS as i64 * 1000,
         );
-        Ok(Fixture { test, start })
+        Ok(Fixture {
+            test,
+            start,
+            nodes,
+            next: Default::default(),
+        })
     }
 
     async fn new_worker(
@@ -130,7 +152,15 @@ impl CrashFamily for FlowFamily {
         fixture: &Arc<Fixture>,
         faults: Faults,
     ) -> Result<Arc<Worker>, BoxError> {
-        let db = nexuscrm_persistence::testing::worker_db(&fixture.test.url).await?;
+        let url = match fixture.nodes.len() {
+            0 => fixture.test.url.clone(),
+            n => fixture.nodes[fixture
+                .next
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                % n]
+                .clone(),
+        };
+        let db = nexuscrm_persistence::testing::worker_db(&url).await?;
         Ok(Arc::new(Worker {
             fixture: fixture.clone(),
             db,
@@ -249,7 +279,11 @@ fn run_matrix(dialect: Dialect) {
     if !nexuscrm_persistence::testing::available_blocking(dialect) {
         return;
     }
-    let report = CrashMatrix::new(FlowFamily { dialect }).run();
+    let report = CrashMatrix::new(FlowFamily {
+        dialect,
+        galera: false,
+    })
+    .run();
     println!("{report}");
     report.assert_passed();
 }
@@ -267,4 +301,20 @@ fn flow_postgres_crash_matrix() {
 #[test]
 fn flow_mysql_crash_matrix() {
     run_matrix(Dialect::Mysql);
+}
+
+/// On the three-node Galera cluster: each restarted worker on the next node, so recovery and
+/// the takeover run through other nodes than the crash.
+#[test]
+fn flow_galera_crash_matrix() {
+    if !nexuscrm_persistence::testing::galera_available_blocking() {
+        return;
+    }
+    let report = CrashMatrix::new(FlowFamily {
+        dialect: Dialect::Mysql,
+        galera: true,
+    })
+    .run();
+    println!("{report}");
+    report.assert_passed();
 }

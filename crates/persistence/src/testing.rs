@@ -585,6 +585,29 @@ pub fn available_blocking(dialect: Dialect) -> bool {
         .block_on(available(dialect))
 }
 
+/// Whether the Galera cluster is reachable (as [`available_blocking`], through
+/// [`GaleraDb::create`]).
+///
+/// # Panics
+///
+/// As [`available_blocking`].
+#[must_use]
+pub fn galera_available_blocking() -> bool {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime for the availability probe")
+        .block_on(async {
+            match GaleraDb::create("probe").await {
+                Some(g) => {
+                    g.drop_database().await;
+                    true
+                }
+                None => false,
+            }
+        })
+}
+
 /// A worker's own handle on `url`, as a separate process would have: its own pool, with 20 s of
 /// SQLite busy time (a killed worker's last statement may still be finishing on its connection
 /// thread when the next one starts).
