@@ -50,3 +50,60 @@ async fn a_takeover_through_another_node_is_seen_by_the_old_generations_commit()
     node3.close().await;
     g.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_fails_certification_is_classified_as_not_committed() {
+    let Some(g) = GaleraDb::create("galera_cert").await else {
+        return;
+    };
+    sqlx::query("CREATE TABLE cert_probe (id BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .execute(g.test.db.pool())
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO cert_probe (id, v) VALUES (1, 0)")
+        .execute(g.test.db.pool())
+        .await
+        .unwrap();
+    let node1 = Db::connect(&g.nodes[0]).await.unwrap();
+    let node2 = Db::connect(&g.nodes[1]).await.unwrap();
+    let other = node2.clone();
+    let never = tokio_util::sync::CancellationToken::new();
+    // Node 1's transaction updates the row; before it commits, node 2 updates the same row and
+    // commits first. Node 1's row lock is local: its COMMIT (or the statement after the other
+    // write set arrives) fails certification, which rolled it back.
+    let result = node1
+        .write(&never, move |c| {
+            Box::pin(async move {
+                sqlx::query("UPDATE cert_probe SET v = 1 WHERE id = 1")
+                    .execute(&mut *c)
+                    .await?;
+                sqlx::query("UPDATE cert_probe SET v = 2 WHERE id = 1")
+                    .execute(other.pool())
+                    .await?;
+                // Node 2's commit is ordered before this one in the cluster's total order
+                // whenever its write set arrives: node 1's COMMIT certifies after it and fails
+                // (or node 1's transaction is aborted when the write set is applied). No wait.
+                Ok(())
+            })
+        })
+        .await;
+    let e = result.expect_err("node 1's transaction cannot commit over node 2's");
+    assert!(
+        e.is_not_committed(),
+        "a certification failure is a proven rollback, not an unknown outcome: {e:?}"
+    );
+    assert!(
+        nexuscrm_persistence::support::is_contention(&e),
+        "classified as contention (retried by families): {e:?}"
+    );
+    for db in [&node1, &node2] {
+        let v: i64 = sqlx::query_scalar("SELECT v FROM cert_probe WHERE id = 1")
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+        assert_eq!(v, 2, "node 2's write won on every node");
+    }
+    node1.close().await;
+    node2.close().await;
+    g.drop_database().await;
+}
