@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{Applied, applied, controller_config, job, test_config, wait_terminal};
 use nexuscrm_bulk::{Bulk, BulkOptions};
 use nexuscrm_persistence::testing::GaleraDb;
-use nexuscrm_persistence::{Db, sqlx};
+use nexuscrm_persistence::{Db, DbOptions, sqlx};
 use nexuscrm_worker::{Controller, RunErrorKind};
 use tokio_util::sync::CancellationToken;
 
@@ -108,9 +108,16 @@ async fn four_workers_over_three_galera_nodes_apply_every_row_exactly_once() {
         restarts += r;
     }
     let after = conflicts(&probes).await;
-    // Read back through every node: the cluster agrees.
+    // Read back through every node, with causal reads (a node may otherwise still be
+    // applying the last write sets): the cluster agrees.
     for url in &g.nodes {
-        let db = Db::connect(url).await.unwrap();
+        let db = Db::connect_with(url, DbOptions::default().max_connections(1))
+            .await
+            .unwrap();
+        sqlx::query("SET SESSION wsrep_sync_wait = 1")
+            .execute(db.pool())
+            .await
+            .unwrap();
         assert_eq!(
             applied(&db).await,
             Applied {

@@ -6,6 +6,21 @@
 
 use nexuscrm_persistence::testing::GaleraDb;
 use nexuscrm_persistence::{Db, sqlx};
+use sqlx::Connection as _;
+
+/// `sql` (one BIGINT) read through `url` with causal reads (`wsrep_sync_wait = 1`): the node
+/// first applies every write set the cluster committed before the read. Without it a node may
+/// still lag behind a commit made through another node.
+async fn causal(url: &str, sql: &str) -> i64 {
+    let mut c = sqlx::MySqlConnection::connect(url).await.unwrap();
+    sqlx::query("SET SESSION wsrep_sync_wait = 1")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    let v: i64 = sqlx::query_scalar(sql).fetch_one(&mut c).await.unwrap();
+    c.close().await.unwrap();
+    v
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_through_another_node_is_seen_by_the_old_generations_commit() {
@@ -36,10 +51,10 @@ async fn a_takeover_through_another_node_is_seen_by_the_old_generations_commit()
             Err(e)
         }
     };
-    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM fenced_probe")
-        .fetch_one(node3.pool())
-        .await
-        .unwrap();
+    let mut rows = 0;
+    for url in &g.nodes {
+        rows += causal(url, "SELECT COUNT(*) FROM fenced_probe").await;
+    }
     println!("galera fence: generation 1's commit after the takeover: {committed:?}, rows {rows}");
     assert!(
         committed.is_err() && rows == 0,
@@ -96,12 +111,9 @@ async fn a_commit_that_fails_certification_is_classified_as_not_committed() {
         nexuscrm_persistence::support::is_contention(&e),
         "classified as contention (retried by families): {e:?}"
     );
-    for db in [&node1, &node2] {
-        let v: i64 = sqlx::query_scalar("SELECT v FROM cert_probe WHERE id = 1")
-            .fetch_one(db.pool())
-            .await
-            .unwrap();
-        assert_eq!(v, 2, "node 2's write won on every node");
+    for url in &g.nodes {
+        let v = causal(url, "SELECT v FROM cert_probe WHERE id = 1").await;
+        assert_eq!(v, 2, "node 2's write won on {url}");
     }
     node1.close().await;
     node2.close().await;
