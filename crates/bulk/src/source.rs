@@ -154,8 +154,8 @@ impl BulkSource {
         &self.bulk
     }
 
-    /// The polled generation cursor: `MAX(id)`, which grows when any process accepts a job,
-    /// mixed with the fence's generation, which grows when a newer deployment takes over (so a
+    /// The polled generation cursor: `MAX(id)` and the work signal's sum, which change when any
+    /// process accepts a job (the sum even when the job's id is lower than one seen), mixed with the fence's generation, which grows when a newer deployment takes over (so a
     /// fenced-out replica reconciles, learns it is superseded and stops). One statement.
     async fn max_id(&self) -> Result<u64, sqlx::Error> {
         let q = queries(self.bulk.inner.db.dialect());
@@ -164,9 +164,16 @@ impl BulkSource {
             .await?;
         let id: Option<i64> = row.try_get(0)?;
         let owner: Option<i64> = row.try_get(1)?;
-        Ok(mix_cursor(id.unwrap_or(0), owner.unwrap_or(0)))
+        // The work signal: changes for every accepted job whatever its id (see
+        // `GenerationProbe::signal`).
+        let signal: Option<i64> = row.try_get(2)?;
+        Ok(mix_cursor(id.unwrap_or(0), owner.unwrap_or(0))
+            .wrapping_add((signal.unwrap_or(0) as u64).wrapping_mul(SIGNAL_MIX)))
     }
 }
+
+/// Folds the work signal's sum into a polled cursor.
+pub(crate) const SIGNAL_MIX: u64 = 0xBF58_476D_1CE4_E5B9;
 
 /// Folds the owning generation into a polled cursor (the controller only compares for equality).
 pub(crate) fn mix_cursor(id: i64, owner: i64) -> u64 {

@@ -5,7 +5,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
-use nexuscrm_persistence::support::{echo, is_unique_violation, text, to_ms};
+use nexuscrm_persistence::support::{echo, is_unique_violation, retrying, text, to_ms};
 use nexuscrm_persistence::{
     Db, DbError, Dialect, DialectQueries, Fence, GenerationProbe, Migration, Queries, WriteError,
 };
@@ -31,6 +31,13 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../sql/sqlite/0002_bulk.sql"),
         postgres: include_str!("../sql/postgres/0002_bulk.sql"),
         mysql: include_str!("../sql/mysql/0002_bulk.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "claim-token index (MySQL dialect; RETURNING elsewhere)",
+        sqlite: "",
+        postgres: "",
+        mysql: include_str!("../sql/mysql/0003_bulk.sql"),
     },
 ];
 
@@ -471,7 +478,8 @@ impl Bulk {
             CHANNEL,
             options.config.listen,
             options.config.generation_poll,
-        );
+        )
+        .signal(FAMILY);
         Bulk {
             inner: Arc::new(Inner {
                 probe,
@@ -623,13 +631,17 @@ impl Bulk {
                 )
             })
             .collect();
-        let key = job.idempotency_key.clone();
         let digest = content_digest(&rows);
+        let rows = Arc::new(rows);
         let never = CancellationToken::new();
-        let mine = digest.clone();
-        let outcome = inner
-            .db
-            .write(&never, move |c| {
+        // Retried while it rolls back on contention (a deadlock, or a certification failure
+        // when another node of a multi-primary cluster wrote a neighbouring key): the
+        // idempotency key makes a second try safe, and only a proven rollback is retried.
+        let outcome = retrying(&never, || {
+            let key = job.idempotency_key.clone();
+            let mine = digest.clone();
+            let rows = Arc::clone(&rows);
+            inner.db.write(&never, move |c| {
                 Box::pin(async move {
                     if let Some(row) = sqlx::query(q.get("job_by_key"))
                         .bind(&key)
@@ -658,7 +670,8 @@ impl Bulk {
                     Ok(Existing::Created(id))
                 })
             })
-            .await;
+        })
+        .await;
         let existing = match outcome {
             Ok(Existing::Created(id)) => Err(id),
             Ok(Existing::Found(id, stored)) => Ok((id, stored)),

@@ -162,9 +162,11 @@ async fn four_workers_on_separate_pools_never_apply_a_row_twice() {
             continue;
         };
         let mut ids = Vec::new();
+        let submitting = std::time::Instant::now();
         for j in 0..200 {
             ids.push(producer.submit(job(j, 100, 50)).await.unwrap().job);
         }
+        eprintln!("{d}: 200 jobs submitted in {:?}", submitting.elapsed());
         let mut runs = Vec::new();
         let cancel = CancellationToken::new();
         for w in 0..4 {
@@ -176,7 +178,9 @@ async fn four_workers_on_separate_pools_never_apply_a_row_twice() {
             let waker = ctl.waker();
             runs.push((tokio::spawn(ctl.run(cancel.clone())), waker, bulk));
         }
+        let started = std::time::Instant::now();
         wait_terminal(&producer, &ids, Duration::from_secs(300)).await;
+        eprintln!("{d}: 200 jobs drained in {:?}", started.elapsed());
         cancel.cancel();
         let mut claimed_by = Vec::new();
         for (run, _, bulk) in runs {
@@ -197,6 +201,7 @@ async fn four_workers_on_separate_pools_never_apply_a_row_twice() {
             }
             bulk.db().close().await;
         }
+        eprintln!("{d}: stopped after {:?}", started.elapsed());
         let a = applied(&t.db).await;
         assert_eq!(
             a,
@@ -357,10 +362,10 @@ async fn source_operations_blocked_on_a_lock_return_promptly_when_cancelled() {
         };
         bulk.submit(job(0, 5, 5)).await.unwrap();
         let src = bulk.source();
-        // Another connection holds the fence row's lock, which every claim and reconciliation
+        // Another connection holds every fence stripe's lock, which every claim and reconciliation
         // takes (SQLite: the write lock).
         let mut holder = t.db.begin_write().await.unwrap();
-        sqlx::query("UPDATE runtime_work_fence SET generation = generation")
+        sqlx::query("UPDATE runtime_work_fence_stripe SET generation = generation")
             .execute(holder.conn())
             .await
             .unwrap();
@@ -528,9 +533,9 @@ async fn a_claim_reads_now_after_its_lock_wait_so_work_due_during_the_wait_is_cl
         let mut j = job(0, 3, 3);
         j.run_at = Some(t0 + Duration::from_secs(30));
         let id = bulk.submit(j).await.unwrap().job;
-        // Another connection holds the fence row (SQLite: the write lock), so the claim waits.
+        // Another connection holds every fence stripe (SQLite: the write lock), so the claim waits.
         let mut holder = t.db.begin_write().await.unwrap();
-        sqlx::query("UPDATE runtime_work_fence SET generation = generation")
+        sqlx::query("UPDATE runtime_work_fence_stripe SET generation = generation")
             .execute(holder.conn())
             .await
             .unwrap();
@@ -889,4 +894,29 @@ async fn a_release_that_cannot_reach_the_database_is_not_committed_not_fatal() {
         assert_eq!((s.state.as_str(), s.cursor), ("running", 0), "{d}: {s:?}");
         t.drop_database().await;
     }
+}
+
+/// The MySQL dialect reads a claim's rows back by its token (TiDB ignores RETURNING): that
+/// read is an index lookup on `bulk_job_claim`, never a scan of every job ever accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mysql_claim_read_back_is_an_index_lookup_on_the_claim_token() {
+    let Some((t, bulk)) = bulk_on(Dialect::Mysql, "claimplan", 1).await else {
+        return;
+    };
+    for j in 0..20 {
+        bulk.submit(job(j, 1, 1)).await.unwrap();
+    }
+    sqlx::query("ANALYZE TABLE bulk_job")
+        .execute(t.db.pool())
+        .await
+        .unwrap();
+    let (plan, keys) = nexuscrm_persistence::testing::explain_mysql(
+        &t.db,
+        "SELECT id, attempts FROM bulk_job WHERE claim_token = 'c-1'",
+    )
+    .await
+    .unwrap();
+    eprintln!("claimed read-back plan: {plan:?}");
+    assert_eq!(keys, vec![Some("bulk_job_claim".to_owned())], "{plan:?}");
+    t.drop_database().await;
 }

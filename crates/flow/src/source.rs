@@ -49,7 +49,12 @@ async fn read_generation(db: &nexuscrm_persistence::Db) -> Result<u64, sqlx::Err
     let owner: Option<i64> = row.try_get(2)?;
     let (id, defined) = (id.unwrap_or(0) as u64, defined.unwrap_or(0) as u64);
     let owner = owner.unwrap_or(0) as u64;
-    Ok(defined
+    // The work signal: changes for every defined, updated or resumed schedule whatever its id
+    // (see `GenerationProbe::signal`).
+    let signal: Option<i64> = row.try_get(3)?;
+    let signal = (signal.unwrap_or(0) as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    Ok(signal
+        .wrapping_add(defined)
         .wrapping_mul(1_000_003)
         .wrapping_add(id)
         .wrapping_add(owner.wrapping_mul(0x9E37_79B9_7F4A_7C15)))

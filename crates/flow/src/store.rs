@@ -32,6 +32,13 @@ pub const MIGRATIONS: &[Migration] = &[
         postgres: "",
         mysql: include_str!("../sql/mysql/0002_flow.sql"),
     },
+    Migration {
+        version: 3,
+        name: "claim-token index (MySQL dialect; RETURNING elsewhere)",
+        sqlite: "",
+        postgres: "",
+        mysql: include_str!("../sql/mysql/0003_flow.sql"),
+    },
 ];
 
 /// The PostgreSQL notification channel of the Scheduled Flow family.
@@ -530,7 +537,8 @@ impl Flow {
             CHANNEL,
             options.config.listen,
             options.config.generation_poll,
-        );
+        )
+        .signal(FAMILY);
         Flow {
             inner: Arc::new(Inner {
                 probe,

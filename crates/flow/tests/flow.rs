@@ -590,13 +590,15 @@ async fn source_operations_blocked_on_a_lock_commit_nothing_when_cancelled() {
         s.start_at = Some(SystemTime::now() - Duration::from_secs(1));
         flow.create(s).await.unwrap();
         let src = flow.source();
-        // Another connection holds the fence row, which every claim and reconciliation takes
+        // Another connection holds every fence stripe, which every claim and reconciliation takes
         // (SQLite: the write lock).
         let mut holder = t.db.begin_write().await.unwrap();
-        nexuscrm_persistence::sqlx::query("UPDATE runtime_work_fence SET generation = generation")
-            .execute(holder.conn())
-            .await
-            .unwrap();
+        nexuscrm_persistence::sqlx::query(
+            "UPDATE runtime_work_fence_stripe SET generation = generation",
+        )
+        .execute(holder.conn())
+        .await
+        .unwrap();
         for op in ["reconcile", "claim"] {
             let cancel = CancellationToken::new();
             let c2 = cancel.clone();
@@ -626,4 +628,27 @@ async fn source_operations_blocked_on_a_lock_commit_nothing_when_cancelled() {
         assert_eq!(claim_all(&src).await.len(), 1, "{d}");
         t.drop_database().await;
     }
+}
+
+/// The MySQL dialect reads a claim's schedules back by its token (TiDB ignores RETURNING):
+/// an index lookup on `flow_schedule_claim`, never a scan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mysql_claim_read_back_is_an_index_lookup_on_the_claim_token() {
+    let Some((t, _flow)) = flow_on(Dialect::Mysql, "claimplan", FlowOptions::default()).await
+    else {
+        return;
+    };
+    let (plan, keys) = nexuscrm_persistence::testing::explain_mysql(
+        &t.db,
+        "SELECT id, version FROM flow_schedule WHERE claim_token = 'c-1'",
+    )
+    .await
+    .unwrap();
+    eprintln!("claimed read-back plan: {plan:?}");
+    assert_eq!(
+        keys,
+        vec![Some("flow_schedule_claim".to_owned())],
+        "{plan:?}"
+    );
+    t.drop_database().await;
 }

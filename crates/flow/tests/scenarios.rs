@@ -71,7 +71,7 @@ impl ScenarioAdapter for FlowScenarios {
     }
 
     async fn block(&self, source: &FlowSource) -> Result<Box<dyn Any + Send>, BoxError> {
-        // Hold the fence row (every claim and reconciliation locks it; SQLite: the write lock).
+        // Hold every fence stripe (every claim and reconciliation locks one; SQLite: the write lock).
         Ok(Box::new(hold_fence(source.flow().db()).await?))
     }
 

@@ -78,13 +78,22 @@ impl PausedObservations {
 }
 
 /// The family's migrations, per dialect.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "paused steps with hashed resume tokens",
-    sqlite: include_str!("../sql/sqlite/0001_paused.sql"),
-    postgres: include_str!("../sql/postgres/0001_paused.sql"),
-    mysql: include_str!("../sql/mysql/0001_paused.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "paused steps with hashed resume tokens",
+        sqlite: include_str!("../sql/sqlite/0001_paused.sql"),
+        postgres: include_str!("../sql/postgres/0001_paused.sql"),
+        mysql: include_str!("../sql/mysql/0001_paused.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "claim-token index (MySQL dialect; RETURNING elsewhere)",
+        sqlite: "",
+        postgres: "",
+        mysql: include_str!("../sql/mysql/0002_paused.sql"),
+    },
+];
 
 /// The largest pause or resume payload accepted, as JSON text.
 pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024;
@@ -470,7 +479,8 @@ impl PausedFlow {
     /// A store over an already-migrated database.
     #[must_use]
     pub fn without_migrations(db: Db, options: PausedOptions) -> PausedFlow {
-        let probe = GenerationProbe::new(&db, CHANNEL, options.listen, options.generation_poll);
+        let probe = GenerationProbe::new(&db, CHANNEL, options.listen, options.generation_poll)
+            .signal(FAMILY);
         PausedFlow {
             worker: Arc::new(WorkerSettings {
                 fence: Fence::new(FAMILY, options.generation),

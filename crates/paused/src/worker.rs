@@ -64,7 +64,12 @@ impl PausedSource {
         let id: Option<i64> = row.try_get(0)?;
         let resumed: Option<i64> = row.try_get(1)?;
         let resolved: Option<i64> = row.try_get(2)?;
-        Ok((resumed.unwrap_or(0) as u64)
+        // The work signal: changes for every signalled commit whatever its id (see
+        // `GenerationProbe::signal`).
+        let signal: Option<i64> = row.try_get(3)?;
+        let signal = (signal.unwrap_or(0) as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        Ok(signal
+            .wrapping_add(resumed.unwrap_or(0) as u64)
             .wrapping_mul(1_000_003)
             .wrapping_add(id.unwrap_or(0) as u64)
             .wrapping_add((resolved.unwrap_or(0) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))

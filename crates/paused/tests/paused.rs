@@ -301,3 +301,28 @@ fn a_token_is_only_ever_shown_through_expose() {
     assert_eq!(token.expose(), text);
     assert!(!format!("{token:?}").contains("0f0f"));
 }
+
+/// The MySQL dialect reads a claim's steps back by its token (TiDB ignores RETURNING): an
+/// index lookup on `paused_step_claim`, never a scan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mysql_claim_read_back_is_an_index_lookup_on_the_claim_token() {
+    let Some((t, store, _clock)) = paused_on(Dialect::Mysql, "claimplan").await else {
+        return;
+    };
+    for i in 0..50 {
+        store.pause(pause(&format!("run-{i}"))).await.unwrap();
+    }
+    nexuscrm_persistence::sqlx::query("ANALYZE TABLE paused_step")
+        .execute(t.db.pool())
+        .await
+        .unwrap();
+    let (plan, keys) = nexuscrm_persistence::testing::explain_mysql(
+        &t.db,
+        "SELECT id FROM paused_step WHERE claim_token = 'c-1' AND state = 'leased' ORDER BY id",
+    )
+    .await
+    .unwrap();
+    eprintln!("claimed read-back plan: {plan:?}");
+    assert_eq!(keys, vec![Some("paused_step_claim".to_owned())], "{plan:?}");
+    t.drop_database().await;
+}

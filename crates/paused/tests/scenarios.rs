@@ -126,7 +126,7 @@ impl ScenarioAdapter for PausedScenarios {
     }
 
     async fn block(&self, source: &PausedSource) -> Result<Box<dyn Any + Send>, BoxError> {
-        // Hold the fence row (every claim and reconciliation locks it; SQLite: the write lock).
+        // Hold every fence stripe (every claim and reconciliation locks one; SQLite: the write lock).
         Ok(Box::new(hold_fence(source.store().db()).await?))
     }
 

@@ -39,12 +39,15 @@ impl fmt::Display for Dialect {
     }
 }
 
-/// Pool settings. Defaults: 8 connections, 10 s acquire timeout, 5 s SQLite busy timeout.
+/// Pool settings. Defaults: 8 connections, 10 s acquire timeout, 5 s SQLite busy timeout, the
+/// fence checked on all 16 stripes, exclusively on TiDB only.
 #[derive(Debug, Clone)]
 pub struct DbOptions {
     max_connections: u32,
     acquire_timeout: Duration,
     busy_timeout: Duration,
+    fence_stripes: u32,
+    exclusive_fence: bool,
 }
 
 impl Default for DbOptions {
@@ -53,6 +56,8 @@ impl Default for DbOptions {
             max_connections: 8,
             acquire_timeout: Duration::from_secs(10),
             busy_timeout: Duration::from_secs(5),
+            fence_stripes: crate::ownership::FENCE_STRIPES,
+            exclusive_fence: false,
         }
     }
 }
@@ -79,6 +84,26 @@ impl DbOptions {
         self.busy_timeout = d;
         self
     }
+
+    /// Over how many of the fence's stripes this handle's writers spread their fence checks
+    /// (1 to [`FENCE_STRIPES`](crate::FENCE_STRIPES), clamped; by default all of them). Every
+    /// takeover writes every stripe whatever this says, so any value is safe; fewer stripes
+    /// only concentrate the writers' locks, which is how the contention figures in
+    /// `docs/tidb.md` measure one fence row against sixteen.
+    #[must_use]
+    pub fn fence_stripes(mut self, n: u32) -> Self {
+        self.fence_stripes = n.clamp(1, crate::ownership::FENCE_STRIPES);
+        self
+    }
+
+    /// Checks the fence with an exclusive lock (`FOR UPDATE`) on any MySQL-dialect server, as
+    /// is always done on TiDB (which has no shared row locks). Off by default; for measuring
+    /// TiDB's fence contention on MariaDB and Galera.
+    #[must_use]
+    pub fn exclusive_fence(mut self, on: bool) -> Self {
+        self.exclusive_fence = on;
+        self
+    }
 }
 
 /// A database handle: one pool, its dialect, and whether it is TiDB.
@@ -89,6 +114,8 @@ pub struct Db {
     pool: AnyPool,
     dialect: Dialect,
     tidb: bool,
+    fence_stripes: u32,
+    exclusive_fence: bool,
     url_redacted: String,
     secret_url: String,
 }
@@ -219,12 +246,22 @@ impl Db {
         sqlx::any::install_default_drivers();
         let shown = redact(url);
         let (dialect, connect_options, url) = parse_url(url)?;
+        let mut tidb = false;
         if dialect != Dialect::Sqlite {
             // One direct connection first: a refused connection, an unknown host or a failed
             // login is reported at once, with its cause, instead of as "pool timed out" after
             // the acquire timeout (the pool retries connect errors silently until then).
             match tokio::time::timeout(options.acquire_timeout, connect_options.connect()).await {
-                Ok(Ok(conn)) => {
+                Ok(Ok(mut conn)) => {
+                    if dialect == Dialect::Mysql {
+                        let version: String = sqlx::query_scalar("SELECT VERSION()")
+                            .fetch_one(&mut conn)
+                            .await
+                            .map_err(|e| {
+                                DbError::unavailable(format!("cannot read server version: {e}"))
+                            })?;
+                        tidb = is_tidb_version(&version);
+                    }
                     let _ = sqlx::Connection::close(conn).await;
                 }
                 Ok(Err(e)) => {
@@ -255,6 +292,16 @@ impl Db {
                             conn.execute("PRAGMA synchronous = NORMAL").await?;
                         }
                         Dialect::Mysql => {
+                            if tidb {
+                                // Pessimistic, whatever the cluster's default: every claim and
+                                // disposition takes its row locks as it runs (as on MariaDB), so
+                                // a conflict is a lock wait or a definite rollback (8002, 8005,
+                                // 9007) rather than an optimistic abort of a transaction that
+                                // already did its work; and TiDB's READ COMMITTED exists only in
+                                // pessimistic mode. See docs/tidb.md.
+                                conn.execute("SET SESSION tidb_txn_mode = 'pessimistic'")
+                                    .await?;
+                            }
                             conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
                                 .await?;
                         }
@@ -270,19 +317,12 @@ impl Db {
             .connect_with(connect_options)
             .await
             .map_err(|e| DbError::unavailable(format!("cannot open database {shown}: {e}")))?;
-        let tidb = if dialect == Dialect::Mysql {
-            let version: String = sqlx::query_scalar("SELECT VERSION()")
-                .fetch_one(&pool)
-                .await
-                .map_err(|e| DbError::unavailable(format!("cannot read server version: {e}")))?;
-            is_tidb_version(&version)
-        } else {
-            false
-        };
         Ok(Db {
             pool,
             dialect,
             tidb,
+            fence_stripes: options.fence_stripes,
+            exclusive_fence: options.exclusive_fence,
             url_redacted: shown,
             secret_url: url,
         })
@@ -300,6 +340,19 @@ impl Db {
     #[must_use]
     pub fn is_tidb(&self) -> bool {
         self.tidb
+    }
+
+    /// Over how many fence stripes this handle's writers spread ([`DbOptions::fence_stripes`]).
+    #[must_use]
+    pub fn fence_stripes(&self) -> u32 {
+        self.fence_stripes
+    }
+
+    /// Whether the fence check takes an exclusive lock: on TiDB always, elsewhere when
+    /// [`DbOptions::exclusive_fence`] asks for it.
+    #[must_use]
+    pub fn exclusive_fence(&self) -> bool {
+        self.dialect == Dialect::Mysql && (self.tidb || self.exclusive_fence)
     }
 
     /// The pool, for reads.

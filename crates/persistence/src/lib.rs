@@ -42,7 +42,7 @@ use std::sync::OnceLock;
 pub use db::{Db, DbOptions, Dialect, is_tidb_version, redact_url};
 pub use error::{DbError, DbErrorKind};
 pub use migrate::Migration;
-pub use ownership::Fence;
+pub use ownership::{FENCE_STRIPES, Fence};
 pub use probe::{GenerationProbe, ProbeError};
 pub use queries::{DialectQueries, Queries};
 pub use sqlx;
@@ -63,6 +63,13 @@ pub const OWNERSHIP_MIGRATIONS: &[Migration] = &[
         sqlite: "",
         postgres: "",
         mysql: include_str!("../sql/mysql/0002_ownership.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "the fence in 16 stripes; the cross-node work signal",
+        sqlite: include_str!("../sql/sqlite/0003_ownership.sql"),
+        postgres: include_str!("../sql/postgres/0003_ownership.sql"),
+        mysql: include_str!("../sql/mysql/0003_ownership.sql"),
     },
 ];
 

@@ -1,5 +1,6 @@
 //! Runtime work ownership and the fence: which deployment generation may claim or commit.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use sqlx::{AnyConnection, Row};
@@ -7,6 +8,24 @@ use sqlx::{AnyConnection, Row};
 use crate::db::{Db, Dialect};
 use crate::error::{DbError, DbErrorKind};
 use crate::queries;
+
+/// How many stripes each family's fence has. A takeover writes all of them; each writer checks
+/// one, so writers contend with each other on a sixteenth of the rows and with every takeover.
+pub const FENCE_STRIPES: u32 = 16;
+
+/// The next writer's stripe: round-robin from a per-process start, so replicas spread too.
+fn next_stripe(stripes: u32) -> u32 {
+    static SEED: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let seed = *SEED.get_or_init(|| {
+        std::process::id()
+            ^ SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.subsec_nanos())
+                .unwrap_or(0)
+    });
+    seed.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) % stripes.max(1)
+}
 
 /// A family's fence for one deployment generation.
 ///
@@ -41,22 +60,26 @@ impl Fence {
     }
 
     /// Inside the caller's write transaction: whether this generation still owns the family.
-    /// Takes a shared lock on the fence row (PostgreSQL `FOR SHARE`, MariaDB `LOCK IN SHARE
-    /// MODE`, TiDB `FOR UPDATE`; SQLite's `BEGIN IMMEDIATE` already serializes writers), so a
-    /// takeover cannot commit between this check and the caller's commit.
+    /// Locks one of the fence's [`FENCE_STRIPES`] stripes (PostgreSQL `FOR SHARE`, MariaDB
+    /// `LOCK IN SHARE MODE`, TiDB `FOR UPDATE`; SQLite's `BEGIN IMMEDIATE` already serializes
+    /// writers). A takeover writes every stripe, so it cannot commit between this check and the
+    /// caller's commit; writers on different stripes never wait for each other, even where the
+    /// lock is exclusive.
     ///
     /// # Errors
     ///
     /// A database error.
     pub async fn holds(&self, conn: &mut AnyConnection, db: &Db) -> Result<bool, sqlx::Error> {
         let q = queries().for_dialect(db.dialect());
-        let stmt = if db.is_tidb() {
+        let stmt = if db.exclusive_fence() {
             q.get("fence_read_tidb")
         } else {
             q.get("fence_read")
         };
+        let stripe = i32::try_from(next_stripe(db.fence_stripes())).unwrap_or(0);
         let row = sqlx::query(stmt)
             .bind(&self.family)
+            .bind(stripe)
             .fetch_optional(&mut *conn)
             .await?;
         Ok(match row {
@@ -64,6 +87,25 @@ impl Fence {
             None => false,
         })
     }
+}
+
+/// Writes `generation` into every stripe of `family`'s fence (never lowering one), locking each
+/// until the caller commits.
+async fn write_stripes(
+    conn: &mut AnyConnection,
+    q: &crate::Queries,
+    family: &str,
+    generation: i64,
+) -> Result<(), sqlx::Error> {
+    for stripe in 0..FENCE_STRIPES {
+        sqlx::query(q.get("fence_stripe_upsert"))
+            .bind(family)
+            .bind(i32::try_from(stripe).unwrap_or(0))
+            .bind(generation)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
 }
 
 fn now_ms() -> i64 {
@@ -122,6 +164,7 @@ impl Db {
                         .bind(generation)
                         .execute(tx.conn())
                         .await?;
+                    write_stripes(tx.conn(), q, family, generation).await?;
                 }
                 Some(g) if g < generation => {
                     sqlx::query(q.get("ownership_update"))
@@ -138,6 +181,7 @@ impl Db {
                         .bind(generation)
                         .execute(tx.conn())
                         .await?;
+                    write_stripes(tx.conn(), q, family, generation).await?;
                 }
                 Some(_) => {}
             }

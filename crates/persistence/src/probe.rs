@@ -38,6 +38,8 @@ impl std::error::Error for ProbeError {}
 /// One family's generation probe.
 pub struct GenerationProbe {
     channel: &'static str,
+    signal: Option<&'static str>,
+    dialect: Dialect,
     listen: bool,
     poll: Option<Duration>,
     url: String,
@@ -63,6 +65,8 @@ impl GenerationProbe {
     pub fn new(db: &Db, channel: &'static str, listen: bool, poll: Option<Duration>) -> Self {
         GenerationProbe {
             channel,
+            signal: None,
+            dialect: db.dialect(),
             listen: listen && db.dialect() == Dialect::Postgres,
             poll,
             url: db.connect_url().to_owned(),
@@ -70,6 +74,25 @@ impl GenerationProbe {
             interrupted: std::sync::atomic::AtomicBool::new(false),
             wake: tokio::sync::Notify::new(),
         }
+    }
+
+    /// Makes [`notify`](Self::notify) bump `family`'s work signal (`runtime_work_signal`, one
+    /// of 16 stripes, after the producer's commit) where the probe polls a server: PostgreSQL
+    /// without LISTEN, and the MySQL dialect. The family's polled cursor then includes the
+    /// signal's sum, which changes for every signalled commit; an id `MAX` alone misses a commit
+    /// whose id is lower than one already seen (auto-increment ids are allocated before commit,
+    /// and interleave across Galera's or TiDB's nodes). SQLite has one writer at a time and
+    /// commit-ordered ids, so it needs no signal.
+    #[must_use]
+    pub fn signal(mut self, family: &'static str) -> Self {
+        self.signal = Some(family);
+        self
+    }
+
+    /// Whether [`notify`](Self::notify) bumps a work signal.
+    #[must_use]
+    pub fn signals(&self) -> bool {
+        self.signal.is_some() && !self.listen && self.dialect != Dialect::Sqlite
     }
 
     /// Drops the current change stream as a reconnect would: the waiting (or next)
@@ -100,13 +123,32 @@ impl GenerationProbe {
     }
 
     /// A producer's hint after its commit (outside any claim transaction): `NOTIFY` with an
-    /// empty payload when listening. Lossy by design; errors are ignored.
+    /// empty payload when listening, a bump of the family's work signal when polling a server
+    /// ([`signal`](Self::signal)). Lossy by design; errors are ignored (a bump that loses a
+    /// Galera certification race to another node's bump is not needed: that bump changed the
+    /// sum already).
     pub async fn notify(&self, db: &Db) {
         if self.listen {
             let _ = sqlx::query("SELECT pg_notify($1, '')")
                 .bind(self.channel)
                 .execute(db.pool())
                 .await;
+        } else if self.signals()
+            && let Some(family) = self.signal
+        {
+            static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let stripe = (std::process::id()
+                .wrapping_add(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                % crate::FENCE_STRIPES) as i32;
+            let _ = sqlx::query(
+                crate::queries()
+                    .for_dialect(db.dialect())
+                    .get("signal_bump"),
+            )
+            .bind(family)
+            .bind(stripe)
+            .execute(db.pool())
+            .await;
         }
     }
 

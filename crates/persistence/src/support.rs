@@ -73,11 +73,16 @@ pub fn is_contention(e: &WriteError) -> bool {
     let WriteError::NotCommitted(sqlx::Error::Database(d)) = e else {
         return false;
     };
+    if let Some(m) = d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        // By error number (the SQLSTATE of TiDB's conflicts is the generic HY000): 1213
+        // deadlock (also a Galera certification failure), TiDB's 8002 / 8005 / 9007 write
+        // conflicts; each a definite rollback. A lock wait timeout (1205) is not: it ends only
+        // the statement, and waiting again would not help.
+        return matches!(m.number(), 1213 | 8002 | 8005 | 9007);
+    }
     let code = d.code().unwrap_or_default();
-    matches!(
-        code.as_ref(),
-        "40001" | "40P01" | "1213" | "1205" | "5" | "6" | "517"
-    ) || d.message().contains("Deadlock found")
+    matches!(code.as_ref(), "40001" | "40P01" | "5" | "6" | "517")
+        || d.message().contains("Deadlock found")
         || d.message().contains("database is locked")
 }
 

@@ -479,7 +479,7 @@ pub fn arbitrary_case_count() -> u32 {
         .unwrap_or(2_000)
 }
 
-/// Holds the ownership fence row in an open write transaction until the returned guard is
+/// Holds every stripe of the ownership fence in an open write transaction until the returned guard is
 /// dropped (rolled back): every fenced claim, reconciliation and completion of any family then
 /// blocks on it (on SQLite, the write lock blocks every writer). On SQLite a write cancelled a
 /// moment ago may still hold the lock (sqlx finishes its queued statement on a worker thread),
@@ -487,7 +487,7 @@ pub fn arbitrary_case_count() -> u32 {
 ///
 /// # Errors
 ///
-/// When no write transaction can be begun, or the fence row cannot be locked.
+/// When no write transaction can be begun, or the fence stripes cannot be locked.
 pub async fn hold_fence(db: &Db) -> Result<crate::WriteTx, sqlx::Error> {
     let mut tries = 0;
     let mut tx = loop {
@@ -500,7 +500,7 @@ pub async fn hold_fence(db: &Db) -> Result<crate::WriteTx, sqlx::Error> {
             Err(e) => return Err(e),
         }
     };
-    sqlx::query("UPDATE runtime_work_fence SET generation = generation")
+    sqlx::query("UPDATE runtime_work_fence_stripe SET generation = generation")
         .execute(tx.conn())
         .await?;
     Ok(tx)
@@ -627,6 +627,8 @@ pub async fn worker_db(url: &str) -> Result<Db, crate::DbError> {
 /// versions.
 pub const SHARED_TABLES: &[&str] = &[
     "runtime_work_fence",
+    "runtime_work_fence_stripe",
+    "runtime_work_signal",
     "runtime_work_ownership",
     "nexuscrm_schema",
 ];
@@ -656,4 +658,51 @@ pub fn scenarios_not_applicable(dialect: Dialect) -> &'static [&'static str] {
         Dialect::Mysql => &["overdue-suppression"],
         Dialect::Postgres => &[],
     }
+}
+
+/// The MySQL-dialect plan of `select`, one line per table (`table type=… key=… rows=…`), and
+/// the index each table is read through (`None`: a full scan). For proving that a statement is an
+/// index lookup.
+///
+/// # Errors
+///
+/// When `EXPLAIN` fails.
+pub async fn explain_mysql(
+    db: &Db,
+    select: &str,
+) -> Result<(Vec<String>, Vec<Option<String>>), sqlx::Error> {
+    let rows = sqlx::query(&format!("EXPLAIN {select}"))
+        .fetch_all(db.pool())
+        .await?;
+    let mut lines = Vec::new();
+    let mut keys = Vec::new();
+    for r in rows {
+        let col = |name: &str| -> Option<String> {
+            r.try_get::<Option<String>, _>(name)
+                .ok()
+                .flatten()
+                .or_else(|| {
+                    r.try_get::<Option<Vec<u8>>, _>(name)
+                        .ok()
+                        .flatten()
+                        .map(|b| String::from_utf8_lossy(&b).into_owned())
+                })
+        };
+        let rows_est = r
+            .try_get::<Option<i64>, _>("rows")
+            .ok()
+            .flatten()
+            .map_or_else(|| col("rows").unwrap_or_default(), |n| n.to_string());
+        let key = col("key");
+        lines.push(format!(
+            "{} type={} key={} rows={} {}",
+            col("table").unwrap_or_default(),
+            col("type").unwrap_or_default(),
+            key.as_deref().unwrap_or("NULL"),
+            rows_est,
+            col("Extra").unwrap_or_default()
+        ));
+        keys.push(key);
+    }
+    Ok((lines, keys))
 }

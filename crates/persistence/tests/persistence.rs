@@ -521,3 +521,42 @@ fn a_batch_that_filled_every_slot_asks_for_more() {
     assert!(!batch(vec![1, 2], three).has_more());
     assert!(!batch(Vec::<i32>::new(), three).has_more());
 }
+
+/// TiDB's definite-rollback errors (8002, 8005, 9007) and the deadlock / certification error
+/// (1213) are classified by error number as "rolled back, retry"; a lock wait timeout, a
+/// duplicate key and a lost connection are not. The errors are real server errors: MariaDB's
+/// `SIGNAL` raises each number with TiDB's generic SQLSTATE, as TiDB itself reports them.
+#[tokio::test]
+async fn tidb_and_galera_rollback_errors_are_classified_by_number_from_a_real_server() {
+    use nexuscrm_persistence::support::is_contention;
+    let Some(t) = TestDb::create(Dialect::Mysql, "rollbackcodes").await else {
+        return;
+    };
+    for (number, rolled_back) in [
+        (1213, true),
+        (8002, true),
+        (8005, true),
+        (9007, true),
+        (1205, false),
+        (1062, false),
+        (2013, false),
+    ] {
+        let e = sqlx::query(&format!(
+            "SIGNAL SQLSTATE 'HY000' SET MYSQL_ERRNO = {number}, MESSAGE_TEXT = 'signalled {number}'"
+        ))
+        .execute(t.db.pool())
+        .await
+        .unwrap_err();
+        assert_eq!(
+            nexuscrm_persistence::commit_rolled_back(Dialect::Mysql, &e),
+            rolled_back,
+            "commit error {number}: {e}"
+        );
+        assert_eq!(
+            is_contention(&WriteError::NotCommitted(e)),
+            rolled_back,
+            "retryable {number}"
+        );
+    }
+    t.drop_database().await;
+}

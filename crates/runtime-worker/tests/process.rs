@@ -417,9 +417,9 @@ async fn readyz_is_not_200_until_the_startup_reconciliation_completes() {
     submit(&t.url, "seed", 1, 1); // migrates
     let db = Db::connect(&t.url).await.unwrap();
     db.take_ownership("bulk", 1, "test").await.unwrap();
-    // Hold the fence row: the worker's startup reconciliation blocks on it.
+    // Hold every fence stripe: the worker's startup reconciliation blocks on it.
     let mut holder = db.begin_write().await.unwrap();
-    sqlx::query("UPDATE runtime_work_fence SET generation = generation")
+    sqlx::query("UPDATE runtime_work_fence_stripe SET generation = generation")
         .execute(holder.conn())
         .await
         .unwrap();

@@ -18,7 +18,7 @@ UPDATE bulk_job
 SET state = 'running', claim_token = ?, lease_expires_at = ?, owner_generation = ?,
     attempts = attempts + 1, stalled_claims = stalled_claims + 1, updated_at = ?
 WHERE (state = 'pending' AND run_at <= ?) OR (state = 'running' AND lease_expires_at <= ?)
-ORDER BY id LIMIT ?
+ORDER BY run_at, id LIMIT ?
 -- name: claimed
 SELECT id, attempts, max_attempts, cursor_ordinal, total_rows, segment_size, stalled_claims FROM bulk_job WHERE claim_token = ?
 
@@ -72,7 +72,7 @@ SELECT state, COUNT(*) FROM bulk_job GROUP BY state
 -- name: oldest_eligible
 SELECT MIN(run_at) FROM bulk_job WHERE state = 'pending' AND run_at <= ?
 -- name: generation
-SELECT MAX(id), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'bulk') FROM bulk_job
+SELECT MAX(id), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'bulk'), (SELECT CAST(COALESCE(SUM(seq), 0) AS SIGNED) FROM runtime_work_signal WHERE family = 'bulk') FROM bulk_job
 -- name: job_status
 SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims
 FROM bulk_job WHERE id = ?

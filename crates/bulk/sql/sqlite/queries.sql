@@ -72,7 +72,7 @@ SELECT state, COUNT(*) FROM bulk_job GROUP BY state
 -- name: oldest_eligible
 SELECT MIN(run_at) FROM bulk_job WHERE state = 'pending' AND run_at <= ?
 -- name: generation
-SELECT MAX(id), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'bulk') FROM bulk_job
+SELECT MAX(id), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'bulk'), (SELECT COALESCE(SUM(seq), 0) FROM runtime_work_signal WHERE family = 'bulk') FROM bulk_job
 -- name: job_status
 SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims
 FROM bulk_job WHERE id = ?

@@ -134,8 +134,11 @@ pub async fn applied(db: &Db) -> Applied {
         .await,
         revision_mismatches: scalar(
             db,
-            "SELECT COUNT(*) FROM crm_record r WHERE r.revision <> \
-             (SELECT COUNT(*) FROM crm_record_change c WHERE c.record_key = r.record_key)",
+            // One grouped pass (a correlated COUNT per record is quadratic without an index on
+            // crm_record_change.record_key, which the product does not need).
+            "SELECT COUNT(*) FROM crm_record r LEFT JOIN \
+             (SELECT record_key, COUNT(*) AS n FROM crm_record_change GROUP BY record_key) c \
+             ON c.record_key = r.record_key WHERE r.revision <> COALESCE(c.n, 0)",
         )
         .await,
     }

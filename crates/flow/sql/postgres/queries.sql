@@ -86,7 +86,7 @@ SELECT MIN(next_occurrence_at) FROM flow_schedule WHERE state = 'active' AND nex
 -- name: run_count
 SELECT COUNT(*) FROM flow_run
 -- name: generation
-SELECT MAX(id), MAX(defined_at), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'flow') FROM flow_schedule
+SELECT MAX(id), MAX(defined_at), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'flow'), (SELECT COALESCE(SUM(seq), 0)::BIGINT FROM runtime_work_signal WHERE family = 'flow') FROM flow_schedule
 -- name: runs_of
 SELECT id, schedule_id, flow, occurrence_at, reserved_at, schedule_version FROM flow_run
 WHERE schedule_id = $1 ORDER BY occurrence_at DESC LIMIT $2

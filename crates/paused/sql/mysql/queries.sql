@@ -37,7 +37,7 @@ UPDATE paused_step SET state = CASE WHEN resumed_at IS NULL THEN 'timed_out' ELS
     lease_expires_at = NULL, updated_at = ?
 WHERE state = 'leased' AND owner_generation < ? AND intent_at IS NULL
 -- name: eligible
-SELECT id FROM paused_step WHERE state IN ('resumable', 'timed_out', 'observing') AND available_at <= ? ORDER BY id LIMIT ? FOR UPDATE
+SELECT id FROM paused_step WHERE state IN ('resumable', 'timed_out', 'observing') AND available_at <= ? ORDER BY available_at, id LIMIT ? FOR UPDATE
 -- name: lease
 UPDATE paused_step SET state = 'leased', claim_token = ?, lease_expires_at = ?, owner_generation = ?, attempts = attempts + 1, updated_at = ?
 WHERE id = ? AND state IN ('resumable', 'timed_out', 'observing')
@@ -69,6 +69,6 @@ SELECT MIN(lease_expires_at) FROM paused_step WHERE state = 'leased'
 -- name: next_available
 SELECT MIN(available_at) FROM paused_step WHERE state IN ('resumable', 'timed_out', 'observing')
 -- name: generation
-SELECT MAX(id), MAX(resumed_at), MAX(resolved_at) FROM paused_step
+SELECT MAX(id), MAX(resumed_at), MAX(resolved_at), (SELECT CAST(COALESCE(SUM(seq), 0) AS SIGNED) FROM runtime_work_signal WHERE family = 'paused') FROM paused_step
 -- name: oldest_uncertain
 SELECT MIN(updated_at) FROM paused_step WHERE state = 'uncertain'

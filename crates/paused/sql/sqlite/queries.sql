@@ -69,6 +69,6 @@ SELECT MIN(lease_expires_at) FROM paused_step WHERE state = 'leased'
 -- name: next_available
 SELECT MIN(available_at) FROM paused_step WHERE state IN ('resumable', 'timed_out', 'observing')
 -- name: generation
-SELECT MAX(id), MAX(resumed_at), MAX(resolved_at) FROM paused_step
+SELECT MAX(id), MAX(resumed_at), MAX(resolved_at), (SELECT COALESCE(SUM(seq), 0) FROM runtime_work_signal WHERE family = 'paused') FROM paused_step
 -- name: oldest_uncertain
 SELECT MIN(updated_at) FROM paused_step WHERE state = 'uncertain'

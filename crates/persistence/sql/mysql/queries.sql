@@ -17,11 +17,18 @@ UPDATE runtime_work_ownership SET generation = ?, owner = ?, taken_at_ms = ? WHE
 INSERT INTO runtime_work_fence (family, generation) VALUES (?, ?)
 -- name: fence_update
 UPDATE runtime_work_fence SET generation = ? WHERE family = ? AND generation < ?
--- A shared lock on the fence row inside every claim and disposition transaction.
+-- The fence check inside every claim and disposition transaction: a shared lock on one stripe.
 -- name: fence_read
-SELECT generation FROM runtime_work_fence WHERE family = ? LOCK IN SHARE MODE
+SELECT generation FROM runtime_work_fence_stripe WHERE family = ? AND stripe = ? LOCK IN SHARE MODE
 -- TiDB treats LOCK IN SHARE MODE as a no-op unless noop functions are enabled, so on TiDB the
--- fence read takes an exclusive pessimistic lock; a lost pessimistic lock is still caught by the
+-- fence read takes an exclusive pessimistic lock, on one stripe of sixteen so that a family's
+-- writers do not all queue on one row; a lost pessimistic lock is still caught by the
 -- claim-token compare-and-set every commit carries.
 -- name: fence_read_tidb
-SELECT generation FROM runtime_work_fence WHERE family = ? FOR UPDATE
+SELECT generation FROM runtime_work_fence_stripe WHERE family = ? AND stripe = ? FOR UPDATE
+-- A takeover writes every stripe (and locks each until it commits).
+-- name: fence_stripe_upsert
+INSERT INTO runtime_work_fence_stripe (family, stripe, generation) VALUES (?, ?, ?)
+ON DUPLICATE KEY UPDATE generation = GREATEST(generation, VALUES(generation))
+-- name: signal_bump
+INSERT INTO runtime_work_signal (family, stripe, seq) VALUES (?, ?, 1) ON DUPLICATE KEY UPDATE seq = seq + 1

@@ -18,4 +18,10 @@ INSERT INTO runtime_work_fence (family, generation) VALUES (?, ?)
 -- name: fence_update
 UPDATE runtime_work_fence SET generation = ? WHERE family = ? AND generation < ?
 -- name: fence_read
-SELECT generation FROM runtime_work_fence WHERE family = ?
+SELECT generation FROM runtime_work_fence_stripe WHERE family = ? AND stripe = ?
+-- name: fence_stripe_upsert
+INSERT INTO runtime_work_fence_stripe (family, stripe, generation) VALUES (?, ?, ?)
+ON CONFLICT (family, stripe) DO UPDATE SET generation = MAX(generation, excluded.generation)
+-- name: signal_bump
+INSERT INTO runtime_work_signal (family, stripe, seq) VALUES (?, ?, 1)
+ON CONFLICT (family, stripe) DO UPDATE SET seq = seq + 1
