@@ -383,6 +383,9 @@ pub struct Observations {
     pub succeeded: i64,
     /// Jobs poisoned.
     pub poisoned: i64,
+    /// Where every count above stops: a count equal to it means at least this many
+    /// ([`OBSERVATION_CAP`](nexuscrm_persistence::OBSERVATION_CAP) unless asked otherwise).
+    pub count_cap: i64,
 }
 
 /// The Bulk family over one database, for one deployment generation.
@@ -819,16 +822,36 @@ impl Bulk {
             .map_err(|e| BulkError::db("decoding jobs", e))
     }
 
-    /// Queue observations.
+    /// Queue observations, each count bounded by
+    /// [`OBSERVATION_CAP`](nexuscrm_persistence::OBSERVATION_CAP).
     ///
     /// # Errors
     ///
     /// A database error.
     pub async fn observations(&self) -> Result<Observations, BulkError> {
+        self.observations_capped(nexuscrm_persistence::OBSERVATION_CAP)
+            .await
+    }
+
+    /// Queue observations whose counts stop at `cap` (at least 1): each count reads at most
+    /// `cap` entries of the `(state, run_at)` index, whatever the history holds.
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn observations_capped(&self, cap: i64) -> Result<Observations, BulkError> {
+        let cap = cap.max(1);
         let db = &self.inner.db;
         let q = queries(db.dialect());
-        let mut o = Observations::default();
+        let mut o = Observations {
+            count_cap: cap,
+            ..Observations::default()
+        };
         let rows = sqlx::query(q.get("count_by_state"))
+            .bind(cap)
+            .bind(cap)
+            .bind(cap)
+            .bind(cap)
             .fetch_all(db.pool())
             .await
             .map_err(|e| BulkError::db("counting jobs", e))?;
@@ -853,14 +876,9 @@ impl Bulk {
             .map_err(|e| BulkError::db("decoding", e))?;
         o.oldest_eligible_age = oldest.map(|t| Duration::from_millis((now - t).max(0) as u64));
         if oldest.is_some() {
-            let sql = match db.dialect() {
-                Dialect::Postgres => {
-                    "SELECT COUNT(*) FROM bulk_job WHERE state = 'pending' AND run_at <= $1"
-                }
-                _ => "SELECT COUNT(*) FROM bulk_job WHERE state = 'pending' AND run_at <= ?",
-            };
-            o.queue_depth_eligible = sqlx::query(sql)
+            o.queue_depth_eligible = sqlx::query(q.get("eligible_count"))
                 .bind(now)
+                .bind(cap)
                 .fetch_one(db.pool())
                 .await
                 .and_then(|r| r.try_get(0))

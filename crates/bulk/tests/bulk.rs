@@ -920,3 +920,34 @@ async fn the_mysql_claim_read_back_is_an_index_lookup_on_the_claim_token() {
     assert_eq!(keys, vec![Some("bulk_job_claim".to_owned())], "{plan:?}");
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observed_counts_stop_at_their_cap_and_are_exact_below_it() {
+    for d in DIALECTS {
+        let Some((t, bulk)) = bulk_on(d, "observed_cap", 1).await else {
+            continue;
+        };
+        for j in 0..3 {
+            bulk.submit(job(j, 2, 10)).await.unwrap();
+        }
+        let capped = bulk.observations_capped(2).await.unwrap();
+        assert_eq!(
+            (
+                capped.pending,
+                capped.queue_depth_eligible,
+                capped.running,
+                capped.count_cap
+            ),
+            (2, 2, 0, 2),
+            "{d}: {capped:?}"
+        );
+        assert!(capped.oldest_eligible_age.is_some(), "{d}");
+        let exact = bulk.observations().await.unwrap();
+        assert_eq!(
+            (exact.pending, exact.queue_depth_eligible, exact.count_cap),
+            (3, 3, nexuscrm_persistence::OBSERVATION_CAP),
+            "{d}: {exact:?}"
+        );
+        t.drop_database().await;
+    }
+}

@@ -354,6 +354,9 @@ pub struct Observations {
     pub oldest_due_age: Option<Duration>,
     /// Runs reserved in all.
     pub runs: i64,
+    /// Where every count above stops: a count equal to it means at least this many
+    /// ([`OBSERVATION_CAP`](nexuscrm_persistence::OBSERVATION_CAP) unless asked otherwise).
+    pub count_cap: i64,
 }
 
 /// The Scheduled Flow family over one database, for one deployment generation.
@@ -995,17 +998,36 @@ impl Flow {
             .map_err(|e| FlowError::db("decoding runs", e))
     }
 
-    /// Schedule counts, the most overdue schedule's lateness, and the run count.
+    /// Schedule counts, the most overdue schedule's lateness, and the run count, each count
+    /// bounded by [`OBSERVATION_CAP`](nexuscrm_persistence::OBSERVATION_CAP).
     ///
     /// # Errors
     ///
     /// A database error.
     pub async fn observations(&self) -> Result<Observations, FlowError> {
+        self.observations_capped(nexuscrm_persistence::OBSERVATION_CAP)
+            .await
+    }
+
+    /// Observations whose counts stop at `cap` (at least 1): each count reads at most `cap`
+    /// index entries, so the run history's size does not make a scrape slower.
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn observations_capped(&self, cap: i64) -> Result<Observations, FlowError> {
+        let cap = cap.max(1);
         let db = &self.inner.db;
         let q = queries(db.dialect());
         let err = |e| FlowError::db("reading observations", e);
-        let mut o = Observations::default();
+        let mut o = Observations {
+            count_cap: cap,
+            ..Observations::default()
+        };
         for r in sqlx::query(q.get("count_by_state"))
+            .bind(cap)
+            .bind(cap)
+            .bind(cap)
             .fetch_all(db.pool())
             .await
             .map_err(err)?
@@ -1027,6 +1049,7 @@ impl Flow {
             .map_err(err)?;
         o.oldest_due_age = oldest.map(|t| Duration::from_millis((now - t).max(0) as u64));
         o.runs = sqlx::query(q.get("run_count"))
+            .bind(cap)
             .fetch_one(db.pool())
             .await
             .and_then(|r| r.try_get(0))

@@ -652,3 +652,32 @@ async fn the_mysql_claim_read_back_is_an_index_lookup_on_the_claim_token() {
     );
     t.drop_database().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observed_counts_stop_at_their_cap_and_are_exact_below_it() {
+    for d in DIALECTS {
+        let Some((t, flow)) = flow_on(d, "observed_cap", FlowOptions::default()).await else {
+            continue;
+        };
+        for name in ["a", "b", "c"] {
+            flow.create(NewSchedule::new(name, "f", every(60), MisfirePolicy::Skip))
+                .await
+                .unwrap();
+        }
+        let capped = flow.observations_capped(2).await.unwrap();
+        assert_eq!(
+            (capped.active, capped.leased, capped.paused, capped.runs),
+            (2, 0, 0, 0),
+            "{d}: {capped:?}"
+        );
+        assert_eq!(capped.count_cap, 2, "{d}");
+        let exact = flow.observations().await.unwrap();
+        assert_eq!((exact.active, exact.runs), (3, 0), "{d}: {exact:?}");
+        assert_eq!(
+            exact.count_cap,
+            nexuscrm_persistence::OBSERVATION_CAP,
+            "{d}"
+        );
+        t.drop_database().await;
+    }
+}

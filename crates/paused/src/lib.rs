@@ -51,6 +51,9 @@ pub struct PausedObservations {
     pub by_state: Vec<(&'static str, i64)>,
     /// How long the oldest `uncertain` pause has waited for a person.
     pub oldest_uncertain_age: Option<Duration>,
+    /// Where every count stops: a count equal to it means at least this many
+    /// ([`OBSERVATION_CAP`](nexuscrm_persistence::OBSERVATION_CAP) unless asked otherwise).
+    pub count_cap: i64,
 }
 
 impl PausedObservations {
@@ -869,14 +872,39 @@ impl PausedFlow {
             .map_err(|e| PauseError::db("decoding a pause", e))
     }
 
-    /// Counts per state and the age of the oldest `uncertain` pause.
+    /// Counts per state (each bounded by
+    /// [`OBSERVATION_CAP`](nexuscrm_persistence::OBSERVATION_CAP)) and the age of the oldest
+    /// `uncertain` pause.
     ///
     /// # Errors
     ///
     /// When the database cannot be read.
     pub async fn observations(&self) -> Result<PausedObservations, PauseError> {
-        let counts = self.counts().await?;
+        self.observations_capped(nexuscrm_persistence::OBSERVATION_CAP)
+            .await
+    }
+
+    /// Observations whose counts stop at `cap` (at least 1): each count reads at most `cap`
+    /// entries of a `(state, …)` index, however many completed pauses the history holds.
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be read.
+    pub async fn observations_capped(&self, cap: i64) -> Result<PausedObservations, PauseError> {
+        let cap = cap.max(1);
         let q = queries(self.db.dialect());
+        let mut counted = sqlx::query(q.get("pause_counts_capped"));
+        for _ in PausedObservations::STATES {
+            counted = counted.bind(cap);
+        }
+        let counts: Vec<(String, i64)> = counted
+            .fetch_all(self.db.pool())
+            .await
+            .map_err(|e| PauseError::db("counting pauses", e))?
+            .iter()
+            .map(|r| Ok((text(r, 0)?, r.try_get(1)?)))
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(|e| PauseError::db("decoding the counts", e))?;
         let oldest: Option<i64> = sqlx::query_scalar(q.get("oldest_uncertain"))
             .fetch_one(self.db.pool())
             .await
@@ -894,10 +922,12 @@ impl PausedFlow {
                 .collect(),
             oldest_uncertain_age: oldest
                 .map(|at| Duration::from_millis(now.saturating_sub(at).max(0) as u64)),
+            count_cap: cap,
         })
     }
 
-    /// How many pauses are in each state.
+    /// How many pauses are in each state, exactly (an unbounded `GROUP BY`: for an operator's
+    /// question, not for a scrape; [`PausedFlow::observations`] is bounded).
     ///
     /// # Errors
     ///

@@ -163,6 +163,22 @@ async fn resume_is_idempotent_and_every_refusal_is_distinct_and_changes_nothing(
             "{d}"
         );
         assert_eq!(store.list(None, 10).await.unwrap().len(), 3, "{d}");
+        // The scrape's observations: bounded counts, exact below the cap.
+        store.pause(pause("run-4")).await.unwrap();
+        store.pause(pause("run-5")).await.unwrap();
+        let capped = store.observations_capped(2).await.unwrap();
+        assert_eq!(
+            (
+                capped.count("paused"),
+                capped.count("resumable"),
+                capped.count("cancelled"),
+                capped.count_cap
+            ),
+            (2, 1, 1, 2),
+            "{d}: {capped:?}"
+        );
+        let exact = store.observations().await.unwrap();
+        assert_eq!(exact.count("paused"), 3, "{d}: {exact:?}");
         t.drop_database().await;
     }
 }

@@ -40,6 +40,11 @@ pub mod testing;
 use std::sync::OnceLock;
 
 pub use db::{Db, DbOptions, Dialect, is_tidb_version, redact_url};
+
+/// Where the families' observed counts stop (`/metrics`, `/snapshot`, `status`): each count
+/// reads at most this many index entries, so a scrape costs the same over a history of
+/// millions of rows. A count equal to the cap means "at least this many".
+pub const OBSERVATION_CAP: i64 = 100_000;
 pub use error::{DbError, DbErrorKind};
 pub use migrate::Migration;
 pub use ownership::{FENCE_STRIPES, Fence};

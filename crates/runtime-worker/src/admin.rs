@@ -20,7 +20,50 @@ use serde_json::{Value, json};
 pub(crate) struct Family {
     pub(crate) declaration: Declaration,
     pub(crate) handle: ControllerHandle,
+    /// The family's store on the observation pool (one connection, not the business pool).
     pub(crate) store: Store,
+    /// The last reading of the observations, shared for [`OBSERVATION_TTL`].
+    pub(crate) observed: ObservationCache,
+}
+
+/// How long one reading of a family's observations serves `/metrics` and `/snapshot`: a flood
+/// of scrapes costs each family at most one bounded reading per this interval. The staleness is
+/// stated with every answer (`nexuscrm_observations_age_seconds`, `observed_age_ms`).
+pub(crate) const OBSERVATION_TTL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Gauges of one family's observations: `(name, extra labels, value)`.
+type Gauges = Vec<(&'static str, String, f64)>;
+
+/// A family's last observations and when they were read; one reading at a time.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ObservationCache {
+    last: Arc<tokio::sync::Mutex<Option<(tokio::time::Instant, Value, Gauges)>>>,
+}
+
+impl ObservationCache {
+    /// The observations no older than [`OBSERVATION_TTL`], read from `store` when the last
+    /// reading is older (errors are not kept: the next scrape tries again), with their age.
+    async fn get(&self, store: &Store) -> Result<(Value, Gauges, std::time::Duration), String> {
+        self.get_at(store, tokio::time::Instant::now()).await
+    }
+
+    /// [`get`](Self::get) as of `now` (tests pass their own instants).
+    async fn get_at(
+        &self,
+        store: &Store,
+        now: tokio::time::Instant,
+    ) -> Result<(Value, Gauges, std::time::Duration), String> {
+        let mut last = self.last.lock().await;
+        if let Some((at, json, gauges)) = &*last {
+            let age = now.saturating_duration_since(*at);
+            if age < OBSERVATION_TTL {
+                return Ok((json.clone(), gauges.clone(), age));
+            }
+        }
+        let (json, gauges) = store.observations().await?;
+        *last = Some((now, json.clone(), gauges.clone()));
+        Ok((json, gauges, std::time::Duration::ZERO))
+    }
 }
 
 /// A family's store, for its observations.
@@ -33,7 +76,7 @@ pub(crate) enum Store {
 
 impl Store {
     /// The observations as JSON, and as gauges `(name, extra labels, value)`.
-    async fn observations(&self) -> Result<(Value, Vec<(&'static str, String, f64)>), String> {
+    async fn observations(&self) -> Result<(Value, Gauges), String> {
         match self {
             Store::Bulk(bulk) => {
                 let o = bulk.observations().await.map_err(|e| e.to_string())?;
@@ -41,6 +84,7 @@ impl Store {
                     "pending": o.pending, "queue_depth_eligible": o.queue_depth_eligible,
                     "oldest_eligible_age_ms": o.oldest_eligible_age.map(|d| d.as_millis() as u64),
                     "running": o.running, "succeeded": o.succeeded, "poisoned": o.poisoned,
+                    "count_cap": o.count_cap,
                 });
                 let mut g: Vec<(&'static str, String, f64)> = [
                     ("pending", o.pending),
@@ -74,7 +118,7 @@ impl Store {
                 let json = json!({
                     "pending": o.active, "active": o.active, "leased": o.leased, "paused": o.paused,
                     "oldest_due_age_ms": o.oldest_due_age.map(|d| d.as_millis() as u64),
-                    "runs": o.runs,
+                    "runs": o.runs, "count_cap": o.count_cap,
                 });
                 let mut g: Vec<(&'static str, String, f64)> = [
                     ("active", o.active),
@@ -109,6 +153,7 @@ impl Store {
                     "pending".into(),
                     json!(o.count("resumable") + o.count("timed_out")),
                 );
+                json.insert("count_cap".into(), json!(o.count_cap));
                 json.insert(
                     "oldest_uncertain_age_ms".into(),
                     json!(o.oldest_uncertain_age.map(|d| d.as_millis() as u64)),
@@ -256,8 +301,13 @@ fn snapshot_json(s: &Snapshot) -> Value {
 async fn snapshot(State(admin): State<Admin>) -> Response {
     let mut families = Vec::new();
     for f in admin.families.iter() {
-        let observations = match f.store.observations().await {
-            Ok((o, _)) => o,
+        let observations = match f.observed.get(&f.store).await {
+            Ok((mut o, _, age)) => {
+                if let Value::Object(m) = &mut o {
+                    m.insert("observed_age_ms".into(), json!(age.as_millis() as u64));
+                }
+                o
+            }
             Err(e) => json!({ "error": e }),
         };
         families.push(json!({
@@ -461,7 +511,12 @@ async fn metrics(State(admin): State<Admin>) -> Response {
             l.clone(),
             s.capacity as f64,
         ));
-        if let Ok((_, g)) = f.store.observations().await {
+        if let Ok((_, g, age)) = f.observed.get(&f.store).await {
+            gauges.push((
+                "nexuscrm_observations_age_seconds".into(),
+                l.clone(),
+                age.as_secs_f64(),
+            ));
             for (name, labels, v) in g {
                 gauges.push((name.into(), format!("{l}{labels}"), v));
             }
@@ -503,6 +558,10 @@ async fn metrics(State(admin): State<Admin>) -> Response {
         ),
         ("nexuscrm_worker_in_flight", "Attempts executing now."),
         ("nexuscrm_worker_capacity", "Configured capacity."),
+        (
+            "nexuscrm_observations_age_seconds",
+            "Age of the family's domain observations below (read at most every 10 s, each count capped at 100000).",
+        ),
         ("nexuscrm_queue_jobs", "Jobs by state (domain observation)."),
         (
             "nexuscrm_queue_eligible",
@@ -539,4 +598,49 @@ async fn metrics(State(admin): State<Admin>) -> Response {
         }
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use nexuscrm_bulk::{BulkOptions, NewJob, RowInput};
+    use nexuscrm_persistence::Dialect;
+    use nexuscrm_persistence::testing::TestDb;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn observations_are_read_once_per_ttl_and_state_their_age() {
+        let t = TestDb::create(Dialect::Sqlite, "observed_ttl")
+            .await
+            .expect("SQLite is always here");
+        let bulk = Bulk::open(t.db.clone(), 1, BulkOptions::default())
+            .await
+            .unwrap();
+        let store = Store::Bulk(bulk.clone());
+        let cache = ObservationCache::default();
+        let t0 = tokio::time::Instant::now();
+        let (first, _, age) = cache.get_at(&store, t0).await.unwrap();
+        assert_eq!((&first["pending"], age), (&json!(0), Duration::ZERO));
+        assert_eq!(first["count_cap"], nexuscrm_persistence::OBSERVATION_CAP);
+        bulk.submit(NewJob::new(
+            "k",
+            vec![RowInput::new("r", serde_json::Map::new())],
+        ))
+        .await
+        .unwrap();
+        // Within the TTL: the same reading (no statement), and how old it is.
+        let almost = OBSERVATION_TTL - Duration::from_millis(1);
+        let (cached, _, age) = cache.get_at(&store, t0 + almost).await.unwrap();
+        assert_eq!((&cached["pending"], age), (&json!(0), almost));
+        // Past it: read again.
+        let (fresh, gauges, age) = cache.get_at(&store, t0 + OBSERVATION_TTL).await.unwrap();
+        assert_eq!((&fresh["pending"], age), (&json!(1), Duration::ZERO));
+        assert!(
+            gauges.contains(&("nexuscrm_queue_jobs", ",state=\"pending\"".to_owned(), 1.0)),
+            "{gauges:?}"
+        );
+        t.drop_database().await;
+    }
 }

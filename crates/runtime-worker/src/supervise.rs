@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use nexuscrm_bulk::{Bulk, BulkConfig, BulkOptions};
 use nexuscrm_flow::{Flow, FlowConfig, FlowOptions};
-use nexuscrm_persistence::Db;
+use nexuscrm_persistence::{Db, DbOptions};
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Config, Controller, Source};
 use serde_json::Value;
@@ -141,7 +141,17 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     if let Some(c) = &s.paused.connector {
         paused_options = paused_options.connector(c.clone());
     }
-    let paused = nexuscrm_paused::PausedFlow::open(db, paused_options).await?;
+    let paused = nexuscrm_paused::PausedFlow::open(db.clone(), paused_options).await?;
+    // Observations (`/metrics`, `/snapshot`) read through a pool of their own with one
+    // connection, so scrapes never take a connection the claims and commits need; each reading
+    // is bounded (counts capped) and shared for admin::OBSERVATION_TTL. An in-memory SQLite
+    // database exists only in its own pool, so it is observed through that one.
+    let observe_db =
+        if s.database_url.contains(":memory:") || s.database_url.contains("mode=memory") {
+            db.clone()
+        } else {
+            Db::connect_with(&s.database_url, DbOptions::default().max_connections(1)).await?
+        };
     let mut families = Vec::new();
     let bulk_ctl = if s.bulk.enabled {
         let capacity = std::num::NonZeroUsize::new(s.bulk.capacity)
@@ -159,7 +169,12 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         families.push(admin::Family {
             declaration: nexuscrm_bulk::DECLARATION,
             handle: ctl.handle(),
-            store: admin::Store::Bulk(bulk.clone()),
+            store: admin::Store::Bulk(Bulk::without_migrations(
+                observe_db.clone(),
+                s.generation,
+                BulkOptions::default(),
+            )),
+            observed: admin::ObservationCache::default(),
         });
         Some(ctl)
     } else {
@@ -180,7 +195,12 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         families.push(admin::Family {
             declaration: nexuscrm_flow::DECLARATION,
             handle: ctl.handle(),
-            store: admin::Store::Flow(flow.clone()),
+            store: admin::Store::Flow(Flow::without_migrations(
+                observe_db.clone(),
+                s.generation,
+                FlowOptions::default(),
+            )),
+            observed: admin::ObservationCache::default(),
         });
         Some(ctl)
     } else {
@@ -202,7 +222,11 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         families.push(admin::Family {
             declaration: nexuscrm_paused::DECLARATION,
             handle: ctl.handle(),
-            store: admin::Store::Paused(paused.clone()),
+            store: admin::Store::Paused(nexuscrm_paused::PausedFlow::without_migrations(
+                observe_db.clone(),
+                nexuscrm_paused::PausedOptions::default().generation(s.generation),
+            )),
+            observed: admin::ObservationCache::default(),
         });
         Some(ctl)
     } else {

@@ -68,7 +68,10 @@ WHERE id = $2 AND state = 'poisoned'
 
 -- Observations and the generation probe.
 -- name: count_by_state
-SELECT state, COUNT(*) FROM bulk_job GROUP BY state
+SELECT 'pending', COUNT(*) FROM (SELECT 1 FROM bulk_job WHERE state = 'pending' LIMIT $1) t0
+UNION ALL SELECT 'running', COUNT(*) FROM (SELECT 1 FROM bulk_job WHERE state = 'running' LIMIT $2) t1
+UNION ALL SELECT 'succeeded', COUNT(*) FROM (SELECT 1 FROM bulk_job WHERE state = 'succeeded' LIMIT $3) t2
+UNION ALL SELECT 'poisoned', COUNT(*) FROM (SELECT 1 FROM bulk_job WHERE state = 'poisoned' LIMIT $4) t3
 -- name: oldest_eligible
 SELECT MIN(run_at) FROM bulk_job WHERE state = 'pending' AND run_at <= $1
 -- name: generation
@@ -79,3 +82,5 @@ FROM bulk_job WHERE id = $1
 -- name: job_list
 SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims
 FROM bulk_job ORDER BY id DESC LIMIT $1
+-- name: eligible_count
+SELECT COUNT(*) FROM (SELECT 1 FROM bulk_job WHERE state = 'pending' AND run_at <= $1 LIMIT $2) t

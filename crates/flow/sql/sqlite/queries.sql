@@ -81,11 +81,13 @@ WHERE id = ? AND claim_token = ? AND state = 'leased'
 
 -- Observations and the generation probe.
 -- name: count_by_state
-SELECT state, COUNT(*) FROM flow_schedule GROUP BY state
+SELECT 'active', COUNT(*) FROM (SELECT 1 FROM flow_schedule WHERE state = 'active' LIMIT ?) t0
+UNION ALL SELECT 'leased', COUNT(*) FROM (SELECT 1 FROM flow_schedule WHERE state = 'leased' LIMIT ?) t1
+UNION ALL SELECT 'paused', COUNT(*) FROM (SELECT 1 FROM flow_schedule WHERE state = 'paused' LIMIT ?) t2
 -- name: oldest_due
 SELECT MIN(next_occurrence_at) FROM flow_schedule WHERE state = 'active' AND next_occurrence_at <= ?
 -- name: run_count
-SELECT COUNT(*) FROM flow_run
+SELECT COUNT(*) FROM (SELECT 1 FROM flow_run LIMIT ?) t
 -- name: generation
 SELECT MAX(id), MAX(defined_at), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'flow'), (SELECT COALESCE(SUM(seq), 0) FROM runtime_work_signal WHERE family = 'flow') FROM flow_schedule
 -- name: runs_of

@@ -72,3 +72,13 @@ SELECT MIN(available_at) FROM paused_step WHERE state IN ('resumable', 'timed_ou
 SELECT MAX(id), MAX(resumed_at), MAX(resolved_at), (SELECT COALESCE(SUM(seq), 0) FROM runtime_work_signal WHERE family = 'paused') FROM paused_step
 -- name: oldest_uncertain
 SELECT MIN(updated_at) FROM paused_step WHERE state = 'uncertain'
+-- name: pause_counts_capped
+SELECT 'paused', COUNT(*) FROM (SELECT 1 FROM paused_step WHERE state = 'paused' LIMIT ?) t0
+UNION ALL SELECT 'resumable', COUNT(*) FROM (SELECT 1 FROM paused_step WHERE state = 'resumable' LIMIT ?) t1
+UNION ALL SELECT 'timed_out', COUNT(*) FROM (SELECT 1 FROM paused_step WHERE state = 'timed_out' LIMIT ?) t2
+UNION ALL SELECT 'leased', COUNT(*) FROM (SELECT 1 FROM paused_step WHERE state = 'leased' LIMIT ?) t3
+UNION ALL SELECT 'observing', COUNT(*) FROM (SELECT 1 FROM paused_step WHERE state = 'observing' LIMIT ?) t4
+UNION ALL SELECT 'completed', COUNT(*) FROM (SELECT 1 FROM paused_step WHERE state = 'completed' LIMIT ?) t5
+UNION ALL SELECT 'uncertain', COUNT(*) FROM (SELECT 1 FROM paused_step WHERE state = 'uncertain' LIMIT ?) t6
+UNION ALL SELECT 'poisoned', COUNT(*) FROM (SELECT 1 FROM paused_step WHERE state = 'poisoned' LIMIT ?) t7
+UNION ALL SELECT 'cancelled', COUNT(*) FROM (SELECT 1 FROM paused_step WHERE state = 'cancelled' LIMIT ?) t8
