@@ -4,6 +4,9 @@
 #   scripts/galera.sh start    # install what is missing, bootstrap node 1, join nodes 2 and 3
 #   scripts/galera.sh status   # each node's wsrep_cluster_size, wsrep_ready, state
 #   scripts/galera.sh stop     # shut the three nodes down and remove their data
+#   scripts/galera.sh kill-node N    # kill -9 node N's mariadbd (tests: a node lost mid-run)
+#   scripts/galera.sh restart-node N # start node N again from its data: it recovers its
+#                                    # position and rejoins (IST, or SST when it must)
 #
 # Node N (1-3) serves clients on 127.0.0.1:$((GALERA_BASE_PORT + N)) (default 23307-23309) as
 # root without a password, database `test`; group communication on 127.0.0.1:2457N0, IST on
@@ -169,9 +172,42 @@ status() {
   done
 }
 
+kill_node() {
+  local n=$1 pidf="$DIR/node$1/mysqld.pid"
+  [ -f "$pidf" ] || die "node $n has no pid file (is it running?)"
+  local pid; pid=$(cat "$pidf")
+  kill -9 "$pid" 2>/dev/null || die "node $n (pid $pid) is not running"
+  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  rm -f "$(sock "$n")" "$pidf"
+  say "killed node $n (pid $pid)"
+}
+
+restart_node() {
+  local n=$1 d="$DIR/node$1"
+  [ -f "$d/my.cnf" ] || die "node $n has no configuration (start the cluster first)"
+  # After kill -9 grastate.dat says seqno -1: recover the position InnoDB committed (what
+  # galera_recovery does for systemd), so the node can rejoin by IST instead of a full SST.
+  local log="$d/recover.log" pos
+  mariadbd --defaults-file="$d/my.cnf" --wsrep-recover --log-error="$log" </dev/null >/dev/null 2>&1 || true
+  pos=$(sed -n 's/.*WSREP: Recovered position: \(.*\)$/\1/p' "$log" 2>/dev/null | tail -n 1)
+  say "restarting node $n${pos:+ from position $pos}"
+  if [ -n "$pos" ]; then
+    start_node "$n" --wsrep-start-position="$pos"
+  else
+    start_node "$n"
+  fi
+  say "node $n rejoined: cluster size $(size "$n")"
+}
+
+node_arg() {
+  case "${1:-}" in 1|2|3) echo "$1" ;; *) die "a node number (1, 2 or 3) is required" ;; esac
+}
+
 case "${1:-}" in
   start) start ;;
   stop) stop_nodes; rm -rf "$DIR"; say "stopped" ;;
   status) status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  kill-node) kill_node "$(node_arg "${2:-}")" ;;
+  restart-node) restart_node "$(node_arg "${2:-}")" ;;
+  *) echo "usage: $0 start|stop|status|kill-node N|restart-node N" >&2; exit 2 ;;
 esac
