@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::{Applied, applied, controller_config, job, test_config, wait_terminal};
 use nexuscrm_bulk::{Bulk, BulkConfig, BulkOptions, DECLARATION};
-use nexuscrm_persistence::testing::{GaleraDb, TestDb};
+use nexuscrm_persistence::testing::{GaleraDb, TestDb, causal_reads};
 use nexuscrm_persistence::{Db, Dialect, sqlx};
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Attempt, BoxError, Controller, Declaration, Source};
@@ -206,7 +206,13 @@ impl CrashFamily for BulkFamily {
     }
 
     async fn recover(&self, point: CrashPoint, fixture: Arc<Fixture>) -> Result<(), BoxError> {
-        let db = &fixture.test.db;
+        // On Galera, read through node 1 causally: the last commits may have gone through
+        // another node, which node 1 may still be applying.
+        let causal = match fixture.nodes.first() {
+            Some(url) => Some(causal_reads(url).await?),
+            None => None,
+        };
+        let db = causal.as_ref().unwrap_or(&fixture.test.db);
         let jobs: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM bulk_job")
             .fetch_one(db.pool())
             .await?;

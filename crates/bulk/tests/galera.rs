@@ -11,28 +11,9 @@ use std::time::Duration;
 use common::{Applied, applied, controller_config, job, test_config, wait_terminal};
 use nexuscrm_bulk::{Bulk, BulkOptions};
 use nexuscrm_persistence::testing::GaleraDb;
-use nexuscrm_persistence::{Db, DbOptions, sqlx};
+use nexuscrm_persistence::{Db, sqlx};
 use nexuscrm_worker::{Controller, RunErrorKind};
 use tokio_util::sync::CancellationToken;
-
-/// Certification failures and brute-force aborts so far, summed over the nodes.
-async fn conflicts(nodes: &[Db]) -> i64 {
-    let mut n = 0;
-    for db in nodes {
-        let rows: Vec<(String, String)> = sqlx::query_as(
-            "SELECT VARIABLE_NAME, VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS \
-             WHERE VARIABLE_NAME IN ('WSREP_LOCAL_CERT_FAILURES', 'WSREP_LOCAL_BF_ABORTS')",
-        )
-        .fetch_all(db.pool())
-        .await
-        .unwrap();
-        n += rows
-            .iter()
-            .map(|(_, v)| v.parse::<i64>().unwrap_or(0))
-            .sum::<i64>();
-    }
-    n
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn four_workers_over_three_galera_nodes_apply_every_row_exactly_once() {
@@ -51,11 +32,7 @@ async fn four_workers_over_three_galera_nodes_apply_every_row_exactly_once() {
     for j in 0..200 {
         ids.push(producer.submit(job(j, 100, 50)).await.unwrap().job);
     }
-    let mut probes = Vec::new();
-    for url in &g.nodes {
-        probes.push(Db::connect(url).await.unwrap());
-    }
-    let before = conflicts(&probes).await;
+    let before = g.conflicts().await;
     let cancel = CancellationToken::new();
     let mut slots = Vec::new();
     for w in 0..4usize {
@@ -107,17 +84,11 @@ async fn four_workers_over_three_galera_nodes_apply_every_row_exactly_once() {
         claimed_by.push(c);
         restarts += r;
     }
-    let after = conflicts(&probes).await;
+    let after = g.conflicts().await;
     // Read back through every node, with causal reads (a node may otherwise still be
     // applying the last write sets): the cluster agrees.
-    for url in &g.nodes {
-        let db = Db::connect_with(url, DbOptions::default().max_connections(1))
-            .await
-            .unwrap();
-        sqlx::query("SET SESSION wsrep_sync_wait = 1")
-            .execute(db.pool())
-            .await
-            .unwrap();
+    for (i, url) in g.nodes.iter().enumerate() {
+        let db = g.causal(i).await;
         assert_eq!(
             applied(&db).await,
             Applied {
@@ -128,9 +99,6 @@ async fn four_workers_over_three_galera_nodes_apply_every_row_exactly_once() {
             "through {url}"
         );
         db.close().await;
-    }
-    for p in probes {
-        p.close().await;
     }
     assert!(
         claimed_by.iter().filter(|&&n| n > 0).count() >= 2,
@@ -179,11 +147,7 @@ async fn the_polled_probe_sees_a_lower_id_committed_through_another_node() {
         BulkOptions::default().config(config()),
     );
     let max_id = || async {
-        let db = Db::connect(&g.nodes[1]).await.unwrap();
-        sqlx::query("SET SESSION wsrep_sync_wait = 1")
-            .execute(db.pool())
-            .await
-            .unwrap();
+        let db = g.causal(1).await;
         let v: Option<i64> = sqlx::query_scalar("SELECT MAX(id) FROM bulk_job")
             .fetch_one(db.pool())
             .await

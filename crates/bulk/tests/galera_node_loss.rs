@@ -4,47 +4,18 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::{Applied, applied, controller_config, job, test_config, wait_terminal};
 use nexuscrm_bulk::{Bulk, BulkOptions};
-use nexuscrm_persistence::testing::GaleraDb;
-use nexuscrm_persistence::{Db, DbOptions, sqlx};
+use nexuscrm_persistence::testing::{
+    GaleraDb, KilledNode, galera_nodes_are_local, supervise_on_node,
+};
+use nexuscrm_persistence::{Db, sqlx};
 use nexuscrm_worker::{Controller, RunErrorKind};
 use tokio_util::sync::CancellationToken;
-
-fn galera_script(command: &str, node: u32) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/galera.sh");
-    let out = std::process::Command::new("bash")
-        .arg(&script)
-        .arg(command)
-        .arg(node.to_string())
-        .output()
-        .expect("bash runs");
-    assert!(
-        out.status.success(),
-        "galera.sh {command} {node}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Restarts the killed node if the test ends (or panics) while it is down, so the cluster is
-/// whole again for whatever runs next.
-struct Rejoin {
-    node: u32,
-    down: Arc<AtomicBool>,
-}
-
-impl Drop for Rejoin {
-    fn drop(&mut self) {
-        if self.down.swap(false, Ordering::SeqCst) {
-            galera_script("restart-node", self.node);
-        }
-    }
-}
 
 async fn terminal(db: &Db) -> i64 {
     sqlx::query_scalar("SELECT COUNT(*) FROM bulk_job WHERE state IN ('succeeded', 'poisoned')")
@@ -55,11 +26,7 @@ async fn terminal(db: &Db) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_killed_mid_run_loses_nothing_and_after_it_rejoins_every_row_is_applied_once() {
-    if std::env::var("NEXUSCRM_TEST_GALERA_URLS").is_ok_and(|v| !v.trim().is_empty()) {
-        eprintln!(
-            "SKIPPED: NEXUSCRM_TEST_GALERA_URLS names an external cluster; this test kills and \
-             restarts a node of the scripts/galera.sh cluster only"
-        );
+    if !galera_nodes_are_local() {
         return;
     }
     let Some(g) = GaleraDb::create("galera_node_loss").await else {
@@ -78,46 +45,23 @@ async fn a_node_killed_mid_run_loses_nothing_and_after_it_rejoins_every_row_is_a
         ids.push(producer.submit(job(j, 100, 20)).await.unwrap().job);
     }
     let down = Arc::new(AtomicBool::new(false));
-    let rejoin = Rejoin {
-        node: 3,
-        down: down.clone(),
-    };
     let cancel = CancellationToken::new();
     let mut slots = Vec::new();
     for w in 0..3usize {
-        // One worker per node; each is its own supervisor: a controller that stops is started
-        // again on a fresh pool once its node answers (the Runtime Worker's process supervisor
-        // does the same by exiting and being restarted).
-        let url = g.nodes[w].clone();
-        let (cancel, down) = (cancel.clone(), down.clone());
-        slots.push(tokio::spawn(async move {
-            let mut stops: Vec<RunErrorKind> = Vec::new();
-            while !cancel.is_cancelled() {
-                if w == 2 && down.load(Ordering::SeqCst) {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-                let Ok(db) = Db::connect(&url).await else {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                };
-                let bulk = Bulk::without_migrations(
-                    db.clone(),
-                    1,
-                    BulkOptions::default().config(test_config()),
-                );
+        // One worker per node, each its own supervisor.
+        slots.push(tokio::spawn(supervise_on_node(
+            g.nodes[w].clone(),
+            (w == 2).then(|| down.clone()),
+            cancel.clone(),
+            move |db, cancel| async move {
+                let bulk =
+                    Bulk::without_migrations(db, 1, BulkOptions::default().config(test_config()));
                 let ctl =
                     Controller::new(bulk.source(), controller_config(&format!("w{w}"), 4)).unwrap();
                 bulk.set_waker(ctl.waker());
-                match ctl.run(cancel.clone()).await {
-                    Ok(_) => {}
-                    Err(e) => stops.push(e.kind()),
-                }
-                db.close().await;
-                assert!(stops.len() < 200, "worker {w} keeps stopping: {stops:?}");
-            }
-            stops
-        }));
+                ctl.run(cancel).await.map(drop).map_err(|e| e.kind())
+            },
+        )));
     }
     // Kill node 3 once the run is under way ...
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
@@ -126,7 +70,7 @@ async fn a_node_killed_mid_run_loses_nothing_and_after_it_rejoins_every_row_is_a
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     down.store(true, Ordering::SeqCst);
-    tokio::task::spawn_blocking(|| galera_script("kill-node", 3))
+    let killed = tokio::task::spawn_blocking(|| KilledNode::kill(3))
         .await
         .unwrap();
     // ... the workers on nodes 1 and 2 go on (node 3's leased jobs come back at lease
@@ -142,7 +86,7 @@ async fn a_node_killed_mid_run_loses_nothing_and_after_it_rejoins_every_row_is_a
     }
     let while_down = terminal(&g.test.db).await - at_kill;
     // ... and node 3 rejoins; its worker reconnects.
-    tokio::task::spawn_blocking(|| galera_script("restart-node", 3))
+    tokio::task::spawn_blocking(move || killed.restart())
         .await
         .unwrap();
     down.store(false, Ordering::SeqCst);
@@ -152,7 +96,6 @@ async fn a_node_killed_mid_run_loses_nothing_and_after_it_rejoins_every_row_is_a
     for s in slots {
         stops.push(s.await.unwrap());
     }
-    drop(rejoin);
     for (w, s) in stops.iter().enumerate().take(2) {
         assert!(
             s.iter().all(|k| *k == RunErrorKind::NotCommitted),
@@ -167,14 +110,8 @@ async fn a_node_killed_mid_run_loses_nothing_and_after_it_rejoins_every_row_is_a
             .await
             .unwrap();
     assert_eq!(poisoned, 0, "jobs not succeeded");
-    for url in &g.nodes {
-        let db = Db::connect_with(url, DbOptions::default().max_connections(1))
-            .await
-            .unwrap();
-        sqlx::query("SET SESSION wsrep_sync_wait = 1")
-            .execute(db.pool())
-            .await
-            .unwrap();
+    for (i, url) in g.nodes.iter().enumerate() {
+        let db = g.causal(i).await;
         assert_eq!(
             applied(&db).await,
             Applied {

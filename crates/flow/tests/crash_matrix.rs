@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 
 use common::{assert_exact, controller_config, cursors, ms, run_counts, runs_by_schedule};
 use nexuscrm_flow::{DECLARATION, Flow, FlowConfig, FlowOptions, MisfirePolicy, NewSchedule, Spec};
-use nexuscrm_persistence::testing::{GaleraDb, TestDb};
+use nexuscrm_persistence::testing::{GaleraDb, TestDb, causal_reads};
 use nexuscrm_persistence::{Db, Dialect};
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Attempt, BoxError, Controller, Declaration, Source};
@@ -239,7 +239,13 @@ impl CrashFamily for FlowFamily {
     }
 
     async fn recover(&self, point: CrashPoint, fixture: Arc<Fixture>) -> Result<(), BoxError> {
-        let db = &fixture.test.db;
+        // On Galera, read through node 1 causally: the last commits may have gone through
+        // another node, which node 1 may still be applying.
+        let causal = match fixture.nodes.first() {
+            Some(url) => Some(causal_reads(url).await?),
+            None => None,
+        };
+        let db = causal.as_ref().unwrap_or(&fixture.test.db);
         let runs = runs_by_schedule(db).await;
         let cursors = cursors(db).await;
         if cursors.len() != SCHEDULES {

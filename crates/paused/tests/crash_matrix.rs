@@ -1,4 +1,5 @@
-//! The shared crash matrix at every required point, on SQLite, PostgreSQL and MariaDB.
+//! The shared crash matrix at every required point, on SQLite, PostgreSQL and MariaDB, and on
+//! a three-node Galera cluster with each restarted worker on the next node.
 //!
 //! Three pauses exist before the cell (their tokens are the fixture's); the producer resumes
 //! them (repeating a resume it never saw acknowledged), and a worker sends their effects to a
@@ -14,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use nexuscrm_paused::{Connector, DECLARATION, NewPause, PausedFlow, PausedOptions, ResumeToken};
-use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_persistence::testing::{GaleraDb, TestDb, causal_reads};
 use nexuscrm_persistence::{Db, Dialect};
 use nexuscrm_worker::fault::{CrashPoint, Faults};
 use nexuscrm_worker::{Attempt, BoxError, Config, Controller, Declaration, Source};
@@ -66,10 +67,15 @@ fn receiver() -> (u16, Received) {
 
 struct PausedFamily {
     dialect: Dialect,
+    /// On the three-node Galera cluster (MySQL dialect), each worker on the next node.
+    galera: bool,
 }
 
 struct Fixture {
     test: TestDb,
+    /// The database's URL on each Galera node (empty off Galera).
+    nodes: Vec<String>,
+    next: std::sync::atomic::AtomicUsize,
     tokens: Vec<ResumeToken>,
 }
 
@@ -155,7 +161,11 @@ impl CrashFamily for PausedFamily {
     type Worker = Worker;
 
     fn label(&self) -> String {
-        format!("paused/{}", self.dialect)
+        if self.galera {
+            "paused/galera".into()
+        } else {
+            format!("paused/{}", self.dialect)
+        }
     }
 
     fn declaration(&self) -> Declaration {
@@ -163,9 +173,17 @@ impl CrashFamily for PausedFamily {
     }
 
     async fn fixture(&self) -> Result<Fixture, BoxError> {
-        let test = TestDb::create(self.dialect, "crash")
-            .await
-            .ok_or("test database unavailable")?;
+        let (test, nodes) = if self.galera {
+            let g = GaleraDb::create("crash")
+                .await
+                .ok_or("Galera cluster unavailable")?;
+            (g.test, g.nodes)
+        } else {
+            let t = TestDb::create(self.dialect, "crash")
+                .await
+                .ok_or("test database unavailable")?;
+            (t, Vec::new())
+        };
         let store = PausedFlow::open(test.db.clone(), PausedOptions::default()).await?;
         let mut tokens = Vec::new();
         for i in 0..PAUSES {
@@ -179,7 +197,12 @@ impl CrashFamily for PausedFamily {
                 .await?;
             tokens.push(p.token);
         }
-        Ok(Fixture { test, tokens })
+        Ok(Fixture {
+            test,
+            nodes,
+            next: Default::default(),
+            tokens,
+        })
     }
 
     async fn new_worker(
@@ -187,7 +210,15 @@ impl CrashFamily for PausedFamily {
         fixture: &Arc<Fixture>,
         faults: Faults,
     ) -> Result<Arc<Worker>, BoxError> {
-        let db = nexuscrm_persistence::testing::worker_db(&fixture.test.url).await?;
+        let url = match fixture.nodes.len() {
+            0 => fixture.test.url.clone(),
+            n => fixture.nodes[fixture
+                .next
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                % n]
+                .clone(),
+        };
+        let db = nexuscrm_persistence::testing::worker_db(&url).await?;
         Ok(Arc::new(Worker {
             fixture: fixture.clone(),
             db,
@@ -272,9 +303,19 @@ impl CrashFamily for PausedFamily {
     }
 
     async fn recover(&self, point: CrashPoint, fixture: Arc<Fixture>) -> Result<(), BoxError> {
-        let store =
-            PausedFlow::without_migrations(fixture.test.db.clone(), PausedOptions::default());
-        let all = store.list(None, 100).await?;
+        // On Galera, read through node 1 causally: the last commits may have gone through
+        // another node, which node 1 may still be applying.
+        let causal = match fixture.nodes.first() {
+            Some(url) => Some(causal_reads(url).await?),
+            None => None,
+        };
+        let db = causal.as_ref().unwrap_or(&fixture.test.db);
+        let store = PausedFlow::without_migrations(db.clone(), PausedOptions::default());
+        let all = store.list(None, 100).await;
+        if let Some(c) = causal {
+            c.close().await;
+        }
+        let all = all?;
         let (_, received) = receiver();
         let received = received.lock().unwrap().clone();
         if all.len() != PAUSES {
@@ -303,7 +344,11 @@ fn run_matrix(dialect: Dialect) {
     if !nexuscrm_persistence::testing::available_blocking(dialect) {
         return;
     }
-    let report = CrashMatrix::new(PausedFamily { dialect }).run();
+    let report = CrashMatrix::new(PausedFamily {
+        dialect,
+        galera: false,
+    })
+    .run();
     println!("{report}");
     report.assert_passed();
 }
@@ -321,4 +366,20 @@ fn paused_postgres_crash_matrix() {
 #[test]
 fn paused_mysql_crash_matrix() {
     run_matrix(Dialect::Mysql);
+}
+
+/// On the three-node Galera cluster: each restarted worker on the next node, so recovery and
+/// the takeover run through other nodes than the crash.
+#[test]
+fn paused_galera_crash_matrix() {
+    if !nexuscrm_persistence::testing::galera_available_blocking() {
+        return;
+    }
+    let report = CrashMatrix::new(PausedFamily {
+        dialect: Dialect::Mysql,
+        galera: true,
+    })
+    .run();
+    println!("{report}");
+    report.assert_passed();
 }

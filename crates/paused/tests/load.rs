@@ -1,8 +1,9 @@
 //! Four workers on separate pools resume-and-deliver many pauses at once: each effect is
 //! delivered once (the receiver records every idempotency key under a PRIMARY KEY, so a second
-//! delivery is a constraint violation it counts), and each pause completes once.
+//! delivery is a constraint violation it counts), and each pause completes once; also with the
+//! workers spread over a three-node Galera cluster.
 //!
-//! CI runs 1,000 pauses per backend; `NEXUSCRM_PAUSED_LOAD=10000 cargo test --release -p
+//! CI runs 1,000 pauses per backend (Galera included); `NEXUSCRM_PAUSED_LOAD=10000 cargo test --release -p
 //! nexuscrm-paused --test load` runs the full size.
 
 use std::num::NonZeroUsize;
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use nexuscrm_paused::{Connector, NewPause, PausedFlow, PausedOptions};
 use nexuscrm_persistence::support::is_unique_violation;
-use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_persistence::testing::{GaleraDb, TestDb};
 use nexuscrm_persistence::{Db, Dialect, sqlx};
 use nexuscrm_worker::{Config, Controller};
 use serde_json::json;
@@ -79,9 +80,23 @@ async fn four_workers_deliver_each_effect_once(dialect: Dialect) {
     let Some(t) = TestDb::create(dialect, "pload").await else {
         return;
     };
-    let n = size();
+    deliver_on(
+        &dialect.to_string(),
+        &t.db,
+        &t.db,
+        std::slice::from_ref(&t.url),
+        size(),
+    )
+    .await;
+    t.drop_database().await;
+}
+
+/// `n` pauses paused and resumed through `producer_db` while four workers resume-and-deliver
+/// them, worker `w` on its own pool to `urls[w % urls.len()]` (the receiver records through
+/// the first); `read` is where the checks read (on Galera, a causal read).
+async fn deliver_on(dialect: &str, producer_db: &Db, read: &Db, urls: &[String], n: usize) {
     let duplicates = Arc::new(AtomicU64::new(0));
-    let receiver_db = Db::connect(&t.url).await.unwrap();
+    let receiver_db = Db::connect(&urls[0]).await.unwrap();
     let port = receiver(receiver_db, duplicates.clone()).await;
     let options = || {
         PausedOptions::default()
@@ -94,7 +109,7 @@ async fn four_workers_deliver_each_effect_once(dialect: Dialect) {
             .backoff(Duration::from_millis(20))
             .generation_poll(Some(Duration::from_millis(200)))
     };
-    let producer = PausedFlow::open(t.db.clone(), PausedOptions::default())
+    let producer = PausedFlow::open(producer_db.clone(), PausedOptions::default())
         .await
         .unwrap();
     producer.take_ownership("load").await.unwrap();
@@ -103,7 +118,7 @@ async fn four_workers_deliver_each_effect_once(dialect: Dialect) {
     let mut runs = Vec::new();
     let cancel = CancellationToken::new();
     for w in 0..WORKERS {
-        let db = Db::connect(&t.url).await.unwrap();
+        let db = Db::connect(&urls[w % urls.len()]).await.unwrap();
         let store = PausedFlow::without_migrations(db, options());
         let ctl = Controller::new(
             store.source(),
@@ -133,7 +148,7 @@ async fn four_workers_deliver_each_effect_once(dialect: Dialect) {
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
         let done = scalar(
-            &t.db,
+            read,
             "SELECT COUNT(*) FROM paused_step WHERE state = 'completed'",
         )
         .await;
@@ -141,7 +156,7 @@ async fn four_workers_deliver_each_effect_once(dialect: Dialect) {
             break;
         }
         if Instant::now() > deadline {
-            let stuck = PausedFlow::without_migrations(t.db.clone(), PausedOptions::default());
+            let stuck = PausedFlow::without_migrations(read.clone(), PausedOptions::default());
             let left: Vec<_> = stuck
                 .list(None, 100_000)
                 .await
@@ -176,13 +191,13 @@ async fn four_workers_deliver_each_effect_once(dialect: Dialect) {
         "{dialect}: an effect was delivered twice"
     );
     assert_eq!(
-        scalar(&t.db, "SELECT COUNT(*) FROM effect_received").await,
+        scalar(read, "SELECT COUNT(*) FROM effect_received").await,
         n as i64,
         "{dialect}: every effect delivered"
     );
     assert_eq!(
         scalar(
-            &t.db,
+            read,
             "SELECT COUNT(*) FROM paused_step WHERE state <> 'completed' OR intent_at IS NULL"
         )
         .await,
@@ -194,7 +209,6 @@ async fn four_workers_deliver_each_effect_once(dialect: Dialect) {
          ({:.0}/s), 0 duplicates",
         n as f64 / elapsed.as_secs_f64()
     );
-    t.drop_database().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -210,4 +224,24 @@ async fn four_workers_deliver_each_effect_once_on_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn four_workers_deliver_each_effect_once_on_mysql() {
     four_workers_deliver_each_effect_once(Dialect::Mysql).await;
+}
+
+/// The same on the three-node Galera cluster, the workers spread over the nodes (1, 2, 3, 1):
+/// a resume or a delivery intent that loses certification at COMMIT rolled back and is
+/// retried, so each effect is still delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_workers_over_three_galera_nodes_deliver_each_effect_once() {
+    let Some(g) = GaleraDb::create("galera_pload").await else {
+        return;
+    };
+    let n = size();
+    let before = g.conflicts().await;
+    let read = g.causal(2).await;
+    deliver_on("galera", &g.test.db, &read, &g.nodes, n).await;
+    read.close().await;
+    println!(
+        "galera: {} certification failures or brute-force aborts meanwhile",
+        g.conflicts().await - before
+    );
+    g.drop_database().await;
 }

@@ -556,6 +556,179 @@ impl GaleraDb {
     pub async fn drop_database(self) {
         self.test.drop_database().await;
     }
+
+    /// A one-connection handle on node `i` (0-based) with causal reads
+    /// (`wsrep_sync_wait = 1`): a read through it waits until the node has applied every write
+    /// set the cluster committed before it, so a read-back after a run sees everything.
+    ///
+    /// # Panics
+    ///
+    /// When the node cannot be reached.
+    pub async fn causal(&self, i: usize) -> Db {
+        causal_reads(&self.nodes[i])
+            .await
+            .unwrap_or_else(|e| panic!("galera node {}: {e}", i + 1))
+    }
+
+    /// Certification failures and brute-force aborts so far, summed over the nodes that are up
+    /// (`wsrep_local_cert_failures + wsrep_local_bf_aborts`): the conflicts that surfaced at
+    /// COMMIT. Take it before and after a run; the difference is the run's.
+    pub async fn conflicts(&self) -> i64 {
+        let mut n = 0;
+        for url in &self.nodes {
+            let Ok(db) = Db::connect_with(url, DbOptions::default().max_connections(1)).await
+            else {
+                continue;
+            };
+            let rows: Vec<(String, String)> = sqlx::query_as(
+                "SELECT VARIABLE_NAME, VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS \
+                 WHERE VARIABLE_NAME IN ('WSREP_LOCAL_CERT_FAILURES', 'WSREP_LOCAL_BF_ABORTS')",
+            )
+            .fetch_all(db.pool())
+            .await
+            .unwrap_or_default();
+            n += rows
+                .iter()
+                .map(|(_, v)| v.parse::<i64>().unwrap_or(0))
+                .sum::<i64>();
+            db.close().await;
+        }
+        n
+    }
+}
+
+/// A one-connection handle on the Galera node at `url` whose reads are causal
+/// (`wsrep_sync_wait = 1`): each waits until the node has applied every write set the cluster
+/// committed before it.
+///
+/// # Errors
+///
+/// When the node cannot be reached or refuses the setting.
+pub async fn causal_reads(url: &str) -> Result<Db, crate::DbError> {
+    let db = Db::connect_with(url, DbOptions::default().max_connections(1)).await?;
+    if let Err(e) = sqlx::query("SET SESSION wsrep_sync_wait = 1")
+        .execute(db.pool())
+        .await
+    {
+        db.close().await;
+        return Err(crate::DbError::sql("wsrep_sync_wait", e));
+    }
+    Ok(db)
+}
+
+/// Whether the Galera cluster is the one `scripts/galera.sh` runs on this machine (its nodes
+/// can be killed and restarted), rather than an external one named by
+/// `NEXUSCRM_TEST_GALERA_URLS`. A test that kills a node skips, loudly, when it is not.
+#[must_use]
+pub fn galera_nodes_are_local() -> bool {
+    if std::env::var("NEXUSCRM_TEST_GALERA_URLS").is_ok_and(|v| !v.trim().is_empty()) {
+        eprintln!(
+            "SKIPPED: NEXUSCRM_TEST_GALERA_URLS names an external cluster; a node-loss test \
+             kills and restarts a node of the scripts/galera.sh cluster only"
+        );
+        return false;
+    }
+    true
+}
+
+fn galera_script(command: &str, node: u32) {
+    let script =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/galera.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg(command)
+        .arg(node.to_string())
+        .output()
+        .unwrap_or_else(|e| panic!("bash {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "galera.sh {command} {node}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A node of the `scripts/galera.sh` cluster killed with `kill -9` (its `mariadbd` gets no
+/// chance to close anything). [`KilledNode::restart`] rejoins it; dropping the guard while the
+/// node is still down (a test that ends or panics early) rejoins it too, so the cluster is
+/// whole again for whatever runs next. Both block for seconds: call them from
+/// `spawn_blocking`.
+#[derive(Debug)]
+pub struct KilledNode {
+    node: u32,
+    down: bool,
+}
+
+impl KilledNode {
+    /// Kills node `node` (1 to 3) and returns once its process is gone.
+    ///
+    /// # Panics
+    ///
+    /// When the script fails.
+    #[must_use]
+    pub fn kill(node: u32) -> KilledNode {
+        galera_script("kill-node", node);
+        KilledNode { node, down: true }
+    }
+
+    /// Restarts the node and returns once it has rejoined the cluster (synced).
+    ///
+    /// # Panics
+    ///
+    /// When the script fails.
+    pub fn restart(mut self) {
+        self.down = false;
+        galera_script("restart-node", self.node);
+    }
+}
+
+impl Drop for KilledNode {
+    fn drop(&mut self) {
+        if std::mem::take(&mut self.down) {
+            galera_script("restart-node", self.node);
+        }
+    }
+}
+
+/// A worker process and its supervisor on one Galera node, as a node-loss test needs them:
+/// `run` builds a family and a controller on a fresh pool to `url` and runs it until `cancel`;
+/// when it stops, the stop's kind is recorded and it is started again on a fresh pool once the
+/// node answers (the Runtime Worker's process supervisor does the same by exiting and being
+/// restarted). While `hold` is set (the node is being killed) it does not reconnect. Returns
+/// every stop's kind once `cancel` fires.
+///
+/// # Panics
+///
+/// After 200 stops: a worker that keeps stopping is a failure, not a supervisor's job.
+pub async fn supervise_on_node<F, Fut>(
+    url: String,
+    hold: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    cancel: tokio_util::sync::CancellationToken,
+    mut run: F,
+) -> Vec<nexuscrm_worker::RunErrorKind>
+where
+    F: FnMut(Db, tokio_util::sync::CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = Result<(), nexuscrm_worker::RunErrorKind>>,
+{
+    let mut stops = Vec::new();
+    while !cancel.is_cancelled() {
+        if hold.as_ref().is_some_and(|h| h.load(Ordering::SeqCst)) {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            continue;
+        }
+        let Ok(db) = Db::connect(&url).await else {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            continue;
+        };
+        if let Err(kind) = run(db.clone(), cancel.clone()).await {
+            stops.push(kind);
+        }
+        db.close().await;
+        assert!(
+            stops.len() < 200,
+            "{url}: the worker keeps stopping: {stops:?}"
+        );
+    }
+    stops
 }
 
 /// Whether a `dialect` server is reachable for tests (an isolated database is created and
