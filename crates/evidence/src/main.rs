@@ -188,7 +188,11 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
     std::fs::create_dir_all(&cli.out)
         .map_err(|e| format!("cannot create {}: {e}", cli.out.display()))?;
     let md = cli.out.join("report.md");
-    std::fs::write(&md, report.markdown())?;
+    // The cluster figures come from their own tool (they need the Galera cluster); the report
+    // carries the latest ones written beside it.
+    let cluster = std::fs::read_to_string(cli.out.join("cluster.md")).ok();
+    let markdown = report.markdown() + &report::Report::cluster_section(cluster.as_deref());
+    std::fs::write(&md, markdown)?;
     eprintln!("wrote {}", md.display());
     if cli.json {
         let js = cli.out.join("report.json");

@@ -418,6 +418,36 @@ impl Report {
         out
     }
 
+    /// The report's section on the Galera cluster: the figures table of `cluster_md` (the
+    /// `cluster.md` that `nexuscrm-cluster-evidence` figures go into, beside `report.md`) when
+    /// there is one, else how to produce it.
+    pub(crate) fn cluster_section(cluster_md: Option<&str>) -> String {
+        let mut out = String::from(
+            "\n## On the Galera cluster\n\nThe drain and contend scenarios on the three-node \
+             MariaDB Galera cluster (1, 2 and 4 replicas over the nodes) next to the single \
+             MariaDB server, from `nexuscrm-cluster-evidence`; the command, the machine and what \
+             the figures say are in [cluster.md](cluster.md).\n\n",
+        );
+        let table: Vec<&str> = cluster_md
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.trim_start().starts_with('|'))
+            .collect();
+        if table.is_empty() {
+            out.push_str(
+                "No cluster figures beside this report: run `bash scripts/galera.sh start` and \
+                 `cargo run --release -p nexuscrm-evidence --bin nexuscrm-cluster-evidence`, and \
+                 put its table in cluster.md.\n",
+            );
+        } else {
+            for l in table {
+                out.push_str(l.trim());
+                out.push('\n');
+            }
+        }
+        out
+    }
+
     /// The report as JSON (stable keys under `summary`).
     pub(crate) fn json(&self) -> Value {
         let mut v = scenarios::keys(self.idle.as_ref(), &self.drain, self.due.as_ref());
@@ -445,5 +475,26 @@ impl Report {
             "plans": self.plans,
         });
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Report;
+
+    #[test]
+    fn the_cluster_section_carries_the_cluster_table_or_says_how_to_make_it() {
+        let md = "# Evidence on the cluster\n\nprose | not a row\n\n| target | rows/s |\n|---|---|\n\
+                  | Galera (3 nodes) | 21996 |\n\nWhat the figures say.\n";
+        let s = Report::cluster_section(Some(md));
+        assert!(s.contains("## On the Galera cluster"));
+        assert!(s.contains("| target | rows/s |\n|---|---|\n| Galera (3 nodes) | 21996 |\n"));
+        assert!(!s.contains("prose"), "only the table's rows: {s}");
+        assert!(!s.contains("No cluster figures"));
+        for missing in [None, Some("no table here\n")] {
+            let s = Report::cluster_section(missing);
+            assert!(s.contains("No cluster figures beside this report"), "{s}");
+            assert!(!s.contains("| Galera"));
+        }
     }
 }
