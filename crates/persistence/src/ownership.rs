@@ -8,6 +8,7 @@ use sqlx::{AnyConnection, Row};
 use crate::db::{Db, Dialect};
 use crate::error::{DbError, DbErrorKind};
 use crate::queries;
+use crate::tx::WriteError;
 
 /// How many stripes each family's fence has. A takeover writes all of them; each writer checks
 /// one, so writers contend with each other on a sixteenth of the rows and with every takeover.
@@ -120,10 +121,18 @@ impl Db {
     /// taking it again is a no-op. A newer generation fences out every older one at once: their
     /// next claim or commit fails the fence check.
     ///
+    /// A transaction that lost to lock contention (a deadlock, a serialization failure, a
+    /// Galera certification failure or a TiDB write conflict, at a statement or at COMMIT) is a
+    /// proven rollback and is tried again (up to 8 times, with backoff): taking ownership is
+    /// idempotent, and the takeover is exactly what contends with every in-flight writer of the
+    /// family's fence stripes.
+    ///
     /// # Errors
     ///
     /// [`DbErrorKind::Superseded`] when a newer generation already owns the family (an older
-    /// generation can never take ownership back); a database error otherwise.
+    /// generation can never take ownership back); a database error otherwise, whose message
+    /// says whether the transaction provably did not commit or its COMMIT's outcome is unknown
+    /// (then taking ownership again settles it: it is idempotent).
     pub async fn take_ownership(
         &self,
         family: &str,
@@ -135,21 +144,44 @@ impl Db {
                 "deployment generation must be at least 1, got {generation}"
             )));
         }
+        let never = tokio_util::sync::CancellationToken::new();
+        let tried = crate::support::retrying(&never, || {
+            self.take_ownership_once(family, generation, owner)
+        })
+        .await;
+        match tried {
+            Ok(taken) => taken,
+            Err(WriteError::OutcomeUnknown(e)) => {
+                Err(DbError::sql("committing ownership (outcome unknown)", e))
+            }
+            Err(WriteError::NotCommitted(e)) => {
+                Err(DbError::sql("taking ownership (not committed)", e))
+            }
+            Err(WriteError::Cancelled) => Err(DbError::new(
+                DbErrorKind::Database,
+                "taking ownership: cancelled (not committed)",
+            )),
+        }
+    }
+
+    /// One try of [`Db::take_ownership`]: `Ok(Err(..))` for an answer that trying again would
+    /// not change (superseded), `Err` for a transaction that did not (knowably) commit.
+    async fn take_ownership_once(
+        &self,
+        family: &str,
+        generation: i64,
+        owner: &str,
+    ) -> Result<Result<Fence, DbError>, WriteError> {
         let q = queries().for_dialect(self.dialect());
-        let mut tx = self
-            .begin_write()
-            .await
-            .map_err(|e| DbError::sql("taking ownership", e))?;
-        let current = sqlx::query(q.get("ownership_read"))
-            .bind(family)
-            .fetch_optional(tx.conn())
-            .await
-            .map_err(|e| DbError::sql("reading ownership", e))?
-            .map(|r| r.try_get::<i64, _>(0))
-            .transpose()
-            .map_err(|e| DbError::sql("decoding ownership", e))?;
-        let now = now_ms();
-        let result: Result<(), sqlx::Error> = async {
+        let mut tx = self.begin_write().await.map_err(WriteError::NotCommitted)?;
+        let result: Result<Option<i64>, sqlx::Error> = async {
+            let current = sqlx::query(q.get("ownership_read"))
+                .bind(family)
+                .fetch_optional(tx.conn())
+                .await?
+                .map(|r| r.try_get::<i64, _>(0))
+                .transpose()?;
+            let now = now_ms();
             match current {
                 None => {
                     sqlx::query(q.get("ownership_insert"))
@@ -185,29 +217,35 @@ impl Db {
                 }
                 Some(_) => {}
             }
-            Ok(())
+            Ok(current)
         }
         .await;
-        if let Err(e) = result {
-            tx.rollback().await;
-            return Err(DbError::sql("taking ownership", e));
-        }
+        let current = match result {
+            Ok(current) => current,
+            Err(e) => {
+                tx.rollback().await;
+                return Err(WriteError::NotCommitted(e));
+            }
+        };
         if let Some(g) = current
             && g > generation
         {
             tx.rollback().await;
-            return Err(DbError::new(
+            return Ok(Err(DbError::new(
                 DbErrorKind::Superseded,
                 format!(
                     "family `{family}` is owned by generation {g}; generation {generation} can \
                      never take it back"
                 ),
-            ));
+            )));
         }
-        tx.commit()
-            .await
-            .map_err(|e| DbError::sql("committing ownership (outcome unknown)", e))?;
-        Ok(Fence::new(family, generation))
+        match tx.commit().await {
+            Ok(()) => Ok(Ok(Fence::new(family, generation))),
+            Err(e) if crate::tx::commit_rolled_back(self.dialect(), &e) => {
+                Err(WriteError::NotCommitted(e))
+            }
+            Err(e) => Err(WriteError::OutcomeUnknown(e)),
+        }
     }
 
     /// The generation that owns `family`, if any.

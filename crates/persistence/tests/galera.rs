@@ -4,8 +4,8 @@
 //! on node 1 it brute-force aborts the transaction holding that lock, so the old generation's
 //! commit fails as a deadlock (a proven rollback) and nothing of it lands.
 
-use nexuscrm_persistence::testing::GaleraDb;
-use nexuscrm_persistence::{Db, sqlx};
+use nexuscrm_persistence::testing::{CutProxy, GaleraDb};
+use nexuscrm_persistence::{Db, DbOptions, WriteError, sqlx};
 use sqlx::Connection as _;
 
 /// `sql` (one BIGINT) read through `url` with causal reads (`wsrep_sync_wait = 1`): the node
@@ -117,5 +117,86 @@ async fn a_commit_that_fails_certification_is_classified_as_not_committed() {
     }
     node1.close().await;
     node2.close().await;
+    g.drop_database().await;
+}
+
+/// The port of a `mysql://user@host:port/db` URL when its host is this machine's loopback
+/// (a [`CutProxy`] forwards to 127.0.0.1 only).
+fn loopback_port(url: &str) -> Option<u16> {
+    let authority = url.split_once("://")?.1.split('/').next()?;
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let (host, port) = host_port.rsplit_once(':')?;
+    matches!(host, "127.0.0.1" | "localhost")
+        .then(|| port.parse().ok())
+        .flatten()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_connection_dies_is_outcome_unknown_never_not_committed() {
+    let Some(g) = GaleraDb::create("galera_cut").await else {
+        return;
+    };
+    let Some(port) = loopback_port(&g.nodes[0]) else {
+        eprintln!("SKIPPED: node 1 is not on this machine's loopback; the cut proxy needs it");
+        g.drop_database().await;
+        return;
+    };
+    sqlx::query("CREATE TABLE commit_probe (id BIGINT PRIMARY KEY)")
+        .execute(g.test.db.pool())
+        .await
+        .unwrap();
+    let proxy = std::sync::Arc::new(CutProxy::start(port).await.unwrap());
+    let url = proxy
+        .route(&g.nodes[0], port)
+        .expect("node 1's URL names its port");
+    let db = Db::connect_with(&url, DbOptions::default().max_connections(1))
+        .await
+        .unwrap();
+    let never = tokio_util::sync::CancellationToken::new();
+    let cut = proxy.clone();
+    // The connection dies between the transaction's last statement and its COMMIT: the COMMIT
+    // either never reaches node 1 or reaches it and its answer is lost. The client cannot
+    // tell which, so it must not say "not committed" (a retry could then apply it twice) or
+    // "committed".
+    let result = db
+        .write(&never, move |c| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO commit_probe (id) VALUES (1)")
+                    .execute(&mut *c)
+                    .await?;
+                cut.set_cut(true);
+                Ok(())
+            })
+        })
+        .await;
+    let e = result.expect_err("the COMMIT's connection is gone");
+    assert!(
+        matches!(e, WriteError::OutcomeUnknown(_)),
+        "a COMMIT whose connection died is outcome-unknown: {e:?}"
+    );
+    assert!(!e.is_not_committed(), "{e:?}");
+    assert!(
+        !nexuscrm_persistence::support::is_contention(&e),
+        "never retried as contention: {e:?}"
+    );
+    db.close().await;
+    proxy.set_cut(false);
+    // Whichever way it went on the server, the cluster agrees on it.
+    let mut seen = Vec::new();
+    for url in &g.nodes {
+        seen.push(causal(url, "SELECT COUNT(*) FROM commit_probe").await);
+    }
+    assert!(
+        seen.iter().all(|&n| n == seen[0]) && seen[0] <= 1,
+        "the nodes disagree or hold a duplicate: {seen:?}"
+    );
+    println!(
+        "the cut COMMIT {} on the cluster",
+        if seen[0] == 1 {
+            "committed"
+        } else {
+            "did not commit"
+        }
+    );
     g.drop_database().await;
 }

@@ -230,6 +230,43 @@ async fn a_newer_generation_fences_out_an_older_one_which_can_never_take_back() 
     }
 }
 
+/// Taking ownership is the transaction that contends with every writer of the family's fence
+/// stripes, so losing to contention (here SQLite's busy lock, with no busy wait; on Galera a
+/// certification failure at COMMIT, which CI's Galera crash matrix hit) is retried rather than
+/// reported, and the error when the contention outlasts the retries says "not committed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn taking_ownership_retries_contention_and_says_not_committed_when_it_outlasts_the_retries() {
+    let Some(t) = TestDb::create(Dialect::Sqlite, "owncontend").await else {
+        return;
+    };
+    t.db.migrate_ownership().await.unwrap();
+    let contender = Db::connect_with(
+        &t.url,
+        nexuscrm_persistence::DbOptions::default().busy_timeout(std::time::Duration::ZERO),
+    )
+    .await
+    .unwrap();
+    // Held throughout: every try is refused, and the error is a proven rollback.
+    let holder = t.db.begin_write().await.unwrap();
+    let e = contender
+        .take_ownership("bulk", 1, "a")
+        .await
+        .expect_err("the file is locked for every try");
+    assert!(e.to_string().contains("not committed"), "{e}");
+    assert_eq!(t.db.owner_generation("bulk").await.unwrap(), None);
+    // Held for a moment (the retries span about 0.7 s): a later try takes ownership.
+    let take = tokio::spawn({
+        let contender = contender.clone();
+        async move { contender.take_ownership("bulk", 1, "a").await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    holder.rollback().await;
+    take.await.unwrap().expect("taken once the lock is free");
+    assert_eq!(t.db.owner_generation("bulk").await.unwrap(), Some(1));
+    contender.close().await;
+    t.drop_database().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_cancelled_while_blocked_on_a_lock_returns_promptly_and_commits_nothing() {
     for d in DIALECTS {
