@@ -1,7 +1,6 @@
 //! The admin HTTP server (loopback only): `/livez`, `/readyz`, `/snapshot`, `/metrics`, and
 //! `POST /paused/resume` when it is configured (see [`crate::resume`]).
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 
 use axum::Router;
@@ -12,7 +11,7 @@ use axum::routing::get;
 use nexuscrm_bulk::Bulk;
 use nexuscrm_flow::Flow;
 use nexuscrm_persistence::{Db, sqlx};
-use nexuscrm_worker::{CLAIM_LATENCY_BOUNDS, ControllerHandle, Declaration, Snapshot};
+use nexuscrm_worker::{ControllerHandle, Declaration, Snapshot};
 use serde_json::{Value, json};
 
 /// One family as the admin server sees it.
@@ -31,8 +30,8 @@ pub(crate) struct Family {
 /// stated with every answer (`nexuscrm_observations_age_seconds`, `observed_age_ms`).
 pub(crate) const OBSERVATION_TTL: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Gauges of one family's observations: `(name, extra labels, value)`.
-type Gauges = Vec<(&'static str, String, f64)>;
+/// Gauges of one family's observations: `(name, state label if any, value)`.
+pub(crate) type Gauges = Vec<(&'static str, Option<&'static str>, f64)>;
 
 /// A family's last observations and when they were read; one reading at a time.
 #[derive(Clone, Debug, Default)]
@@ -86,29 +85,23 @@ impl Store {
                     "running": o.running, "succeeded": o.succeeded, "poisoned": o.poisoned,
                     "count_cap": o.count_cap,
                 });
-                let mut g: Vec<(&'static str, String, f64)> = [
+                let mut g: Gauges = [
                     ("pending", o.pending),
                     ("running", o.running),
                     ("succeeded", o.succeeded),
                     ("poisoned", o.poisoned),
                 ]
                 .into_iter()
-                .map(|(state, n)| {
-                    (
-                        "nexuscrm_queue_jobs",
-                        format!(",state=\"{state}\""),
-                        n as f64,
-                    )
-                })
+                .map(|(state, n)| ("nexuscrm_queue_jobs", Some(state), n as f64))
                 .collect();
                 g.push((
                     "nexuscrm_queue_eligible",
-                    String::new(),
+                    None,
                     o.queue_depth_eligible as f64,
                 ));
                 g.push((
                     "nexuscrm_queue_oldest_eligible_age_seconds",
-                    String::new(),
+                    None,
                     o.oldest_eligible_age.map_or(0.0, |d| d.as_secs_f64()),
                 ));
                 Ok((json, g))
@@ -120,24 +113,18 @@ impl Store {
                     "oldest_due_age_ms": o.oldest_due_age.map(|d| d.as_millis() as u64),
                     "runs": o.runs, "count_cap": o.count_cap,
                 });
-                let mut g: Vec<(&'static str, String, f64)> = [
+                let mut g: Gauges = [
                     ("active", o.active),
                     ("leased", o.leased),
                     ("paused", o.paused),
                 ]
                 .into_iter()
-                .map(|(state, n)| {
-                    (
-                        "nexuscrm_flow_schedules",
-                        format!(",state=\"{state}\""),
-                        n as f64,
-                    )
-                })
+                .map(|(state, n)| ("nexuscrm_flow_schedules", Some(state), n as f64))
                 .collect();
-                g.push(("nexuscrm_flow_runs", String::new(), o.runs as f64));
+                g.push(("nexuscrm_flow_runs", None, o.runs as f64));
                 g.push((
                     "nexuscrm_flow_oldest_due_age_seconds",
-                    String::new(),
+                    None,
                     o.oldest_due_age.map_or(0.0, |d| d.as_secs_f64()),
                 ));
                 Ok((json, g))
@@ -158,20 +145,14 @@ impl Store {
                     "oldest_uncertain_age_ms".into(),
                     json!(o.oldest_uncertain_age.map(|d| d.as_millis() as u64)),
                 );
-                let mut g: Vec<(&'static str, String, f64)> = o
+                let mut g: Gauges = o
                     .by_state
                     .iter()
-                    .map(|(state, n)| {
-                        (
-                            "nexuscrm_paused_steps",
-                            format!(",state=\"{state}\""),
-                            *n as f64,
-                        )
-                    })
+                    .map(|(state, n)| ("nexuscrm_paused_steps", Some(*state), *n as f64))
                     .collect();
                 g.push((
                     "nexuscrm_paused_oldest_uncertain_age_seconds",
-                    String::new(),
+                    None,
                     o.oldest_uncertain_age.map_or(0.0, |d| d.as_secs_f64()),
                 ));
                 Ok((Value::Object(json), g))
@@ -320,284 +301,28 @@ async fn snapshot(State(admin): State<Admin>) -> Response {
     axum::Json(json!({ "families": families })).into_response()
 }
 
-/// Stable Prometheus metric names; each with HELP and TYPE.
-const COUNTERS: &[(&str, &str)] = &[
-    ("nexuscrm_worker_runs_total", "Controller runs started."),
-    ("nexuscrm_worker_claim_calls_total", "Source claim calls."),
-    (
-        "nexuscrm_worker_claim_capacity_asked_total",
-        "Slots asked for by claim calls (the capacity argument, summed).",
-    ),
-    (
-        "nexuscrm_worker_claims_empty_total",
-        "Successful claims that returned no attempt.",
-    ),
-    (
-        "nexuscrm_worker_claims_full_total",
-        "Successful claims that filled every slot asked for.",
-    ),
-    (
-        "nexuscrm_worker_attempts_claimed_total",
-        "Attempts returned by claim.",
-    ),
-    (
-        "nexuscrm_worker_attempts_completed_total",
-        "Attempts that returned.",
-    ),
-    (
-        "nexuscrm_worker_attempts_failed_total",
-        "Attempts that returned an error or panicked.",
-    ),
-    (
-        "nexuscrm_worker_next_work_at_calls_total",
-        "Source next_work_at calls.",
-    ),
-    (
-        "nexuscrm_worker_reconciles_total",
-        "Reconciliations, by cause.",
-    ),
-    ("nexuscrm_worker_wakes_received_total", "Wakes received."),
-    (
-        "nexuscrm_worker_wakes_coalesced_total",
-        "Wakes absorbed by a pending turn.",
-    ),
-    (
-        "nexuscrm_worker_timers_armed_total",
-        "Exact due timers armed.",
-    ),
-    (
-        "nexuscrm_worker_timers_fired_total",
-        "Exact due timers fired.",
-    ),
-    (
-        "nexuscrm_worker_overdue_suppressed_total",
-        "Already-due next_work_at answers not re-armed.",
-    ),
-    (
-        "nexuscrm_worker_due_during_claim_total",
-        "next_work_at answers that fell due during the latest claim, claimed again at once.",
-    ),
-    (
-        "nexuscrm_worker_generation_changes_total",
-        "Generation changes observed.",
-    ),
-    (
-        "nexuscrm_worker_generation_losses_total",
-        "Generation probe losses.",
-    ),
-];
-
+/// `/metrics`: every family's controller figures and cached observations, encoded by
+/// [`crate::metrics`] as OpenMetrics text.
 async fn metrics(State(admin): State<Admin>) -> Response {
-    let mut out = String::new();
-    let mut values: Vec<(String, String, f64)> = Vec::new();
-    let mut gauges: Vec<(String, String, f64)> = Vec::new();
-    let mut histograms = Vec::new();
+    let mut readings = Vec::new();
     for f in admin.families.iter() {
-        let s = f.handle.snapshot();
-        let fam = f.declaration.family().to_owned();
-        let l = format!("family=\"{fam}\"");
-        let r = s.reconciles;
-        values.push((
-            "nexuscrm_worker_runs_total".into(),
-            l.clone(),
-            s.runs as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_claim_calls_total".into(),
-            l.clone(),
-            s.claim_calls as f64,
-        ));
-        for (name, v) in [
-            (
-                "nexuscrm_worker_claim_capacity_asked_total",
-                s.claim_capacity_asked,
-            ),
-            ("nexuscrm_worker_claims_empty_total", s.claims_empty),
-            ("nexuscrm_worker_claims_full_total", s.claims_full),
-        ] {
-            values.push((name.into(), l.clone(), v as f64));
-        }
-        histograms.push((l.clone(), s.claim_latency));
-        values.push((
-            "nexuscrm_worker_attempts_claimed_total".into(),
-            l.clone(),
-            s.attempts_claimed as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_attempts_completed_total".into(),
-            l.clone(),
-            s.attempts_completed as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_attempts_failed_total".into(),
-            l.clone(),
-            s.attempts_failed as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_next_work_at_calls_total".into(),
-            l.clone(),
-            s.next_work_at_calls as f64,
-        ));
-        for (cause, n) in [
-            ("startup", r.startup),
-            ("requested", r.requested),
-            ("generation_change", r.generation_change),
-            ("generation_loss", r.generation_loss),
-            ("backstop", r.backstop),
-        ] {
-            values.push((
-                "nexuscrm_worker_reconciles_total".into(),
-                format!("{l},cause=\"{cause}\""),
-                n as f64,
-            ));
-        }
-        values.push((
-            "nexuscrm_worker_wakes_received_total".into(),
-            l.clone(),
-            s.wakes_received as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_wakes_coalesced_total".into(),
-            l.clone(),
-            s.wakes_coalesced as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_timers_armed_total".into(),
-            l.clone(),
-            s.timers_armed as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_timers_fired_total".into(),
-            l.clone(),
-            s.timers_fired as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_overdue_suppressed_total".into(),
-            l.clone(),
-            s.overdue_suppressed as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_due_during_claim_total".into(),
-            l.clone(),
-            s.due_during_claim as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_generation_changes_total".into(),
-            l.clone(),
-            s.generation_changes as f64,
-        ));
-        values.push((
-            "nexuscrm_worker_generation_losses_total".into(),
-            l.clone(),
-            s.generation_losses as f64,
-        ));
-        gauges.push((
-            "nexuscrm_worker_ready".into(),
-            l.clone(),
-            f64::from(u8::from(s.ready)),
-        ));
-        gauges.push((
-            "nexuscrm_worker_poisoned".into(),
-            l.clone(),
-            f64::from(u8::from(s.poisoned.is_some())),
-        ));
-        gauges.push((
-            "nexuscrm_worker_in_flight".into(),
-            l.clone(),
-            s.in_flight as f64,
-        ));
-        gauges.push((
-            "nexuscrm_worker_capacity".into(),
-            l.clone(),
-            s.capacity as f64,
-        ));
-        if let Ok((_, g, age)) = f.observed.get(&f.store).await {
-            gauges.push((
-                "nexuscrm_observations_age_seconds".into(),
-                l.clone(),
-                age.as_secs_f64(),
-            ));
-            for (name, labels, v) in g {
-                gauges.push((name.into(), format!("{l}{labels}"), v));
-            }
-        }
+        let observed = f
+            .observed
+            .get(&f.store)
+            .await
+            .ok()
+            .map(|(_, gauges, age)| (gauges, age));
+        readings.push(crate::metrics::Reading {
+            family: f.declaration.family().to_owned(),
+            snapshot: f.handle.snapshot(),
+            observed,
+        });
     }
-    for (name, help) in COUNTERS {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        for (n, labels, v) in values.iter().filter(|(n, _, _)| n == name) {
-            let _ = writeln!(out, "{n}{{{labels}}} {v}");
-        }
-    }
-    let name = "nexuscrm_worker_claim_latency_seconds";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Claim round trips (issue to answer).\n# TYPE {name} histogram"
-    );
-    for (labels, h) in &histograms {
-        let cumulative = h.cumulative();
-        for (bound, n) in CLAIM_LATENCY_BOUNDS.iter().zip(cumulative) {
-            let le = bound.as_secs_f64();
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {n}");
-        }
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels},le=\"+Inf\"}} {}\n{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {}",
-            h.count(),
-            h.sum.as_secs_f64(),
-            h.count()
-        );
-    }
-    for (name, help) in [
-        (
-            "nexuscrm_worker_ready",
-            "1 when the controller reported Ready and is not poisoned.",
-        ),
-        (
-            "nexuscrm_worker_poisoned",
-            "1 when the controller is poisoned.",
-        ),
-        ("nexuscrm_worker_in_flight", "Attempts executing now."),
-        ("nexuscrm_worker_capacity", "Configured capacity."),
-        (
-            "nexuscrm_observations_age_seconds",
-            "Age of the family's domain observations below (read at most every 10 s, each count capped at 100000).",
-        ),
-        ("nexuscrm_queue_jobs", "Jobs by state (domain observation)."),
-        (
-            "nexuscrm_queue_eligible",
-            "Jobs eligible now (domain observation).",
-        ),
-        (
-            "nexuscrm_queue_oldest_eligible_age_seconds",
-            "Age of the oldest eligible job (domain observation).",
-        ),
-        (
-            "nexuscrm_flow_schedules",
-            "Schedules by state (domain observation).",
-        ),
-        (
-            "nexuscrm_flow_runs",
-            "Flow runs reserved (domain observation).",
-        ),
-        (
-            "nexuscrm_flow_oldest_due_age_seconds",
-            "How late the most overdue enabled schedule is (domain observation).",
-        ),
-        (
-            "nexuscrm_paused_steps",
-            "Paused flow steps by state (domain observation).",
-        ),
-        (
-            "nexuscrm_paused_oldest_uncertain_age_seconds",
-            "How long the oldest uncertain step has waited for a person (domain observation).",
-        ),
-    ] {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-        for (n, labels, v) in gauges.iter().filter(|(n, _, _)| n == name) {
-            let _ = writeln!(out, "{n}{{{labels}}} {v}");
-        }
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+    (
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+        crate::metrics::render(readings),
+    )
+        .into_response()
 }
 
 #[cfg(test)]
@@ -638,7 +363,7 @@ mod tests {
         let (fresh, gauges, age) = cache.get_at(&store, t0 + OBSERVATION_TTL).await.unwrap();
         assert_eq!((&fresh["pending"], age), (&json!(1), Duration::ZERO));
         assert!(
-            gauges.contains(&("nexuscrm_queue_jobs", ",state=\"pending\"".to_owned(), 1.0)),
+            gauges.contains(&("nexuscrm_queue_jobs", Some("pending"), 1.0)),
             "{gauges:?}"
         );
         t.drop_database().await;

@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 mod admin;
 mod config;
 mod http;
+mod metrics;
 mod resume;
 mod stall;
 mod supervise;
@@ -713,17 +714,32 @@ async fn bulk_command(url: &str, command: BulkCommand) -> Result<ExitCode, AnyEr
             segment_size,
         } => {
             let key = key.unwrap_or_else(|| format!("cli-{}", stamp()));
+            // A spinner on stderr while a large file is read and submitted; hidden when stderr
+            // is not a terminal, so scripts see only the job id.
+            let spinner = indicatif::ProgressBar::new_spinner();
             let (rows, source) = match (sample, file) {
                 (Some(n), None) => (sample_rows(&key, n), None),
                 (None, Some(path)) => {
-                    let input = read_rows(&path)?;
+                    spinner.set_message(format!("reading {}", path.display()));
+                    spinner.enable_steady_tick(Duration::from_millis(100));
+                    let input = read_rows(&path);
+                    let input = match input {
+                        Ok(input) => input,
+                        Err(e) => {
+                            spinner.finish_and_clear();
+                            return Err(e);
+                        }
+                    };
                     (input.rows, Some((path.display().to_string(), input.lines)))
                 }
                 _ => return Err("give --sample N or --file PATH".into()),
             };
+            spinner.set_message(format!("submitting {} rows (one transaction)", rows.len()));
             let mut job = NewJob::new(key, rows);
             job.segment_size = segment_size;
-            let s = match bulk.submit(job).await {
+            let submitted = bulk.submit(job).await;
+            spinner.finish_and_clear();
+            let s = match submitted {
                 Ok(s) => s,
                 // A refused row is named by its file and line, as parse errors are.
                 Err(e) => {
@@ -973,7 +989,17 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
     }
     let started = Instant::now();
     let total = (jobs * rows) as i64;
-    loop {
+    // Drawn on stderr, and only when it is a terminal; stdout gets the final figures either
+    // way, so a piped or logged demo still shows the work.
+    let bar = indicatif::ProgressBar::new(u64::try_from(total).unwrap_or(0));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "  bulk [{bar:30}] {pos}/{len} rows, {msg} ({elapsed})",
+        )
+        .map_err(|e| format!("progress template: {e}"))?
+        .progress_chars("#>-"),
+    );
+    let (applied, terminal) = loop {
         let mut applied = 0;
         let mut terminal = 0;
         for id in &ids {
@@ -982,29 +1008,20 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
                 terminal += usize::from(s.is_terminal());
             }
         }
-        let width = 30;
-        let filled = if total == 0 {
-            width
-        } else {
-            (applied * width as i64 / total) as usize
-        };
-        print!(
-            "\r  bulk [{}{}] {applied}/{total} rows, {terminal}/{jobs} jobs",
-            "#".repeat(filled),
-            "-".repeat(width - filled)
-        );
-        use std::io::Write as _;
-        let _ = std::io::stdout().flush();
+        bar.set_position(u64::try_from(applied).unwrap_or(0));
+        bar.set_message(format!("{terminal}/{jobs} jobs"));
         if terminal == jobs {
-            break;
+            break (applied, terminal);
         }
         if run.is_finished() {
-            println!();
+            bar.abandon();
             return Err("the bulk controller stopped before the work was done".into());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    println!("\n  done in {:.2?}", started.elapsed());
+    };
+    bar.finish_and_clear();
+    println!("  bulk: {applied}/{total} rows, {terminal}/{jobs} jobs");
+    println!("  done in {:.2?}", started.elapsed());
     cancel.cancel();
     let result = run.await?;
     // Let the schedules fire a few times, then show their runs.

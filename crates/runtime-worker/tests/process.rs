@@ -228,9 +228,22 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
     assert_eq!(v["families"][1]["observations"]["runs"], 0);
     let (code, metrics) = get(w.port, "/metrics").unwrap();
     assert_eq!(code, 200);
+    // OpenMetrics text: ends with `# EOF`, and a Prometheus text parser reads it back.
+    assert!(metrics.ends_with("# EOF\n"), "{metrics}");
+    let scrape =
+        prometheus_parse::Scrape::parse(metrics.lines().map(|l| Ok(l.to_owned()))).unwrap();
+    assert!(
+        scrape
+            .samples
+            .iter()
+            .any(|s| s.metric == "nexuscrm_worker_attempt_duration_seconds"
+                && matches!(s.value, prometheus_parse::Value::Histogram(_))),
+        "{metrics}"
+    );
+    assert!(scrape.samples.len() > 20, "{metrics}");
     let mut samples = 0;
     for line in metrics.lines() {
-        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
+        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") || line == "# EOF" {
             continue;
         }
         let (name_labels, value) = line
@@ -254,10 +267,14 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
     // Claim figures to tune with: batch sizes asked and returned, and a latency histogram.
     for want in [
         "# TYPE nexuscrm_worker_claim_latency_seconds histogram",
-        "nexuscrm_worker_claim_latency_seconds_bucket{family=\"bulk\",le=\"+Inf\"}",
+        "nexuscrm_worker_claim_latency_seconds_bucket{le=\"+Inf\",family=\"bulk\"}",
         "nexuscrm_worker_claim_latency_seconds_count{family=\"flow\"}",
         "nexuscrm_worker_claim_capacity_asked_total{family=\"bulk\"}",
         "nexuscrm_worker_claims_empty_total{family=\"bulk\"}",
+        "# TYPE nexuscrm_worker_claim_batch_size histogram",
+        "# TYPE nexuscrm_worker_attempt_duration_seconds histogram",
+        "# TYPE nexuscrm_worker_due_lateness_seconds histogram",
+        "nexuscrm_worker_claim_batch_size_bucket{le=\"0.0\",family=\"bulk\"}",
     ] {
         assert!(metrics.contains(want), "{want} missing from:\n{metrics}");
     }
@@ -928,7 +945,7 @@ async fn submit_names_a_refused_row_by_file_and_line_and_refuses_a_key_reused_fo
     std::fs::write(&one, "{\"record_key\": \"a\"}\n").unwrap();
     let two = dir.join("two.jsonl");
     std::fs::write(&two, "{\"record_key\": \"a\"}\n{\"record_key\": \"b\"}\n").unwrap();
-    let (ok, id, _) = cli(
+    let (ok, id, err) = cli(
         &t.url,
         &[
             "bulk",
@@ -940,6 +957,11 @@ async fn submit_names_a_refused_row_by_file_and_line_and_refuses_a_key_reused_fo
         ],
     );
     assert!(ok);
+    // stderr is not a terminal here: the progress spinner draws nothing.
+    assert!(
+        !err.contains("reading") && !err.contains("submitting"),
+        "{err}"
+    );
     let (ok, again, err) = cli(
         &t.url,
         &[

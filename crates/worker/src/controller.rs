@@ -500,6 +500,10 @@ struct Run<S: Source> {
     claim_was_due_reclaim: bool,
     backstop_due: bool,
     timer: Option<Instant>,
+    /// The armed timer's deadline is the due time itself (not capped at the longest sleep).
+    timer_is_due: bool,
+    /// The due time of a timer that fired and whose claim has not been issued yet.
+    fired_due: Option<Instant>,
     next_backstop: Instant,
     probe: Option<JoinHandle<()>>,
     rng: u64,
@@ -530,6 +534,8 @@ impl<S: Source> Run<S> {
             claim_was_due_reclaim: false,
             backstop_due: false,
             timer: None,
+            timer_is_due: false,
+            fired_due: None,
             next_backstop: Instant::now(),
             probe: None,
             rng: seed | 1,
@@ -809,6 +815,9 @@ impl<S: Source> Run<S> {
                 () = self.shared.signal.notified() => {}
                 () = sleep_until(timer.unwrap_or(backstop)), if timer.is_some() => {
                     self.timer = None;
+                    if self.timer_is_due {
+                        self.fired_due = timer;
+                    }
                     bump(&self.counters().timers_fired);
                     self.claim_pending = true;
                     self.due_reclaim_pending = false;
@@ -874,6 +883,11 @@ impl<S: Source> Run<S> {
         let src = self.source.clone();
         let token = self.stop.clone();
         let issued = Instant::now();
+        if let Some(due) = self.fired_due.take() {
+            self.counters()
+                .due_lateness
+                .record_duration(issued.saturating_duration_since(due));
+        }
         let result = self.op(async move { src.claim(free, token).await }).await;
         if result.is_ok() {
             self.counters().claim_latency(issued.elapsed());
@@ -908,6 +922,7 @@ impl<S: Source> Run<S> {
         self.counters()
             .attempts_claimed
             .fetch_add(attempts.len() as u64, Relaxed);
+        self.counters().claim_batch.record(attempts.len() as u64);
         if attempts.is_empty() {
             bump(&self.counters().claims_empty);
         } else if attempts.len() == free.get() {
@@ -915,7 +930,15 @@ impl<S: Source> Run<S> {
         }
         for attempt in attempts {
             // After cancellation the token is already cancelled: the attempt releases its claim.
-            self.attempts.spawn(attempt.run(self.stop.clone()));
+            let timed = Timed {
+                shared: self.shared.clone(),
+                began: Instant::now(),
+            };
+            let token = self.stop.clone();
+            self.attempts.spawn(async move {
+                let _timed = timed;
+                attempt.run(token).await
+            });
         }
         self.sync_in_flight();
         if more {
@@ -936,6 +959,7 @@ impl<S: Source> Run<S> {
                 match at.duration_since(now) {
                     Ok(d) if !d.is_zero() => {
                         self.timer = Some(Instant::now() + d.min(MAX_TIMER));
+                        self.timer_is_due = d <= MAX_TIMER;
                         bump(&self.counters().timers_armed);
                     }
                     _ if !self.claim_was_due_reclaim
@@ -1046,6 +1070,22 @@ impl<S: Source> Drop for Run<S> {
             self.abandoned
         ));
         self.shared.set_phase(Phase::Stopped);
+    }
+}
+
+/// Records an attempt's duration when the attempt's future ends, whether it returned or
+/// panicked (an abandoned attempt is never dropped, so it is never timed).
+struct Timed {
+    shared: Arc<Shared>,
+    began: Instant,
+}
+
+impl Drop for Timed {
+    fn drop(&mut self) {
+        self.shared
+            .counters
+            .attempt_duration
+            .record_duration(self.began.elapsed());
     }
 }
 

@@ -153,7 +153,10 @@ pub use classification::{Classification, Declaration, DeclarationError, Durabili
 pub use clock::{Clock, SystemClock};
 pub use config::{Config, ConfigError};
 pub use controller::{Controller, ControllerHandle, RunError, RunErrorKind, Waker};
-pub use snapshot::{CLAIM_LATENCY_BOUNDS, ClaimLatency, ReconcileCause, ReconcileCounts, Snapshot};
+pub use snapshot::{
+    ATTEMPT_DURATION_BOUNDS, CLAIM_BATCH_BOUNDS, CLAIM_LATENCY_BOUNDS, ClaimLatency,
+    DUE_LATENESS_BOUNDS, Histogram, HistogramUnit, ReconcileCause, ReconcileCounts, Snapshot,
+};
 pub use source::{Attempt, AttemptError, BoxError, ClaimBatch, Generation, Source, SourceError};
 /// Re-exported so that a `Source` written against this crate needs no direct `tokio-util`
 /// dependency: every Source and Attempt method receives one.

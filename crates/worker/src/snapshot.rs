@@ -58,6 +58,160 @@ impl ClaimLatency {
     }
 }
 
+/// The unit of a [`Histogram`]'s bounds and sum.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HistogramUnit {
+    /// Nanoseconds (exported in seconds).
+    #[default]
+    Nanoseconds,
+    /// A count of items.
+    Items,
+}
+
+/// Upper bounds (inclusive) of the claim batch-size buckets, in attempts; a last, unbounded
+/// bucket follows.
+pub const CLAIM_BATCH_BOUNDS: [u64; 9] = [0, 1, 2, 4, 8, 16, 32, 64, 256];
+
+/// Upper bounds (inclusive) of the attempt-duration buckets, in nanoseconds; a last, unbounded
+/// bucket follows.
+pub const ATTEMPT_DURATION_BOUNDS: [u64; 10] = [
+    1_000_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    100_000_000,
+    500_000_000,
+    1_000_000_000,
+    5_000_000_000,
+    30_000_000_000,
+    120_000_000_000,
+];
+
+/// Upper bounds (inclusive) of the due-lateness buckets, in nanoseconds; a last, unbounded
+/// bucket follows.
+pub const DUE_LATENESS_BOUNDS: [u64; 9] = [
+    100_000,
+    1_000_000,
+    2_000_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    100_000_000,
+    500_000_000,
+    2_000_000_000,
+];
+
+/// A fixed-bucket histogram's reading, for metrics exporters.
+///
+/// `buckets[i]` counts observations `<= bounds[i]` and above the previous bound;
+/// `buckets[bounds.len()]` counts the larger ones.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Histogram {
+    /// Upper bounds (inclusive), ascending, in [`unit`](Self::unit).
+    pub bounds: &'static [u64],
+    /// Per-bucket counts (not cumulative), `bounds.len() + 1` of them.
+    pub buckets: Vec<u64>,
+    /// Sum of all observations, in [`unit`](Self::unit).
+    pub sum: u64,
+    /// The unit of the bounds and the sum.
+    pub unit: HistogramUnit,
+}
+
+impl Histogram {
+    /// Observations recorded.
+    #[must_use]
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+
+    /// `v` (in [`unit`](Self::unit)) in the unit an exporter shows: seconds for durations.
+    #[must_use]
+    pub fn scaled(&self, v: u64) -> f64 {
+        match self.unit {
+            HistogramUnit::Nanoseconds => v as f64 / 1e9,
+            HistogramUnit::Items => v as f64,
+        }
+    }
+}
+
+/// The most buckets an [`AtomicHistogram`] holds (bounds plus the unbounded one).
+const MAX_BUCKETS: usize = 16;
+
+/// Which bounds a histogram uses.
+pub(crate) trait Bounds {
+    const BOUNDS: &'static [u64];
+    const UNIT: HistogramUnit;
+}
+
+#[derive(Debug)]
+pub(crate) struct ClaimBatch;
+impl Bounds for ClaimBatch {
+    const BOUNDS: &'static [u64] = &CLAIM_BATCH_BOUNDS;
+    const UNIT: HistogramUnit = HistogramUnit::Items;
+}
+
+#[derive(Debug)]
+pub(crate) struct AttemptDuration;
+impl Bounds for AttemptDuration {
+    const BOUNDS: &'static [u64] = &ATTEMPT_DURATION_BOUNDS;
+    const UNIT: HistogramUnit = HistogramUnit::Nanoseconds;
+}
+
+#[derive(Debug)]
+pub(crate) struct DueLateness;
+impl Bounds for DueLateness {
+    const BOUNDS: &'static [u64] = &DUE_LATENESS_BOUNDS;
+    const UNIT: HistogramUnit = HistogramUnit::Nanoseconds;
+}
+
+/// A lock-free fixed-bucket histogram: one relaxed increment and one add per observation.
+#[derive(Debug)]
+pub(crate) struct AtomicHistogram<B> {
+    buckets: [AtomicU64; MAX_BUCKETS],
+    sum: AtomicU64,
+    _bounds: std::marker::PhantomData<B>,
+}
+
+impl<B: Bounds> Default for AtomicHistogram<B> {
+    fn default() -> Self {
+        const { assert!(B::BOUNDS.len() < MAX_BUCKETS) };
+        AtomicHistogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum: AtomicU64::new(0),
+            _bounds: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<B: Bounds> AtomicHistogram<B> {
+    pub(crate) fn record(&self, v: u64) {
+        let i = B::BOUNDS
+            .iter()
+            .position(|b| v <= *b)
+            .unwrap_or(B::BOUNDS.len());
+        bump(&self.buckets[i]);
+        self.sum.fetch_add(v, Relaxed);
+    }
+
+    pub(crate) fn record_duration(&self, d: Duration) {
+        self.record(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    }
+
+    pub(crate) fn read(&self) -> Histogram {
+        Histogram {
+            bounds: B::BOUNDS,
+            buckets: self.buckets[..=B::BOUNDS.len()]
+                .iter()
+                .map(|c| c.load(Relaxed))
+                .collect(),
+            sum: self.sum.load(Relaxed),
+            unit: B::UNIT,
+        }
+    }
+}
+
 /// Why a reconciliation ran. Requests that arrive together coalesce into one reconciliation,
 /// counted once under the first cause in this order: startup, requested, generation change,
 /// generation loss, backstop.
@@ -133,6 +287,13 @@ pub struct Snapshot {
     pub claims_full: u64,
     /// Claim round-trip latencies.
     pub claim_latency: ClaimLatency,
+    /// Attempts returned per successful claim.
+    pub claim_batch: Histogram,
+    /// How long attempts ran, from spawn until they returned or panicked.
+    pub attempt_duration: Histogram,
+    /// How late a claim driven by an exact due timer was issued after the due time (timer and
+    /// scheduling delay, plus any claim cooldown): the controller's share of due lateness.
+    pub due_lateness: Histogram,
     /// Attempts returned by `claim`.
     pub attempts_claimed: u64,
     /// Attempts that returned (`Ok`, `Err` or panic).
@@ -185,6 +346,9 @@ pub(crate) struct Counters {
     pub(crate) claim_latency_buckets: [AtomicU64; CLAIM_LATENCY_BOUNDS.len() + 1],
     pub(crate) claim_latency_sum_ns: AtomicU64,
     pub(crate) claim_latency_max_ns: AtomicU64,
+    pub(crate) claim_batch: AtomicHistogram<ClaimBatch>,
+    pub(crate) attempt_duration: AtomicHistogram<AttemptDuration>,
+    pub(crate) due_lateness: AtomicHistogram<DueLateness>,
     pub(crate) attempts_claimed: AtomicU64,
     pub(crate) attempts_completed: AtomicU64,
     pub(crate) attempts_failed: AtomicU64,
@@ -253,6 +417,9 @@ impl Counters {
                 sum: Duration::from_nanos(l(&self.claim_latency_sum_ns)),
                 max: Duration::from_nanos(l(&self.claim_latency_max_ns)),
             },
+            claim_batch: self.claim_batch.read(),
+            attempt_duration: self.attempt_duration.read(),
+            due_lateness: self.due_lateness.read(),
             attempts_claimed: l(&self.attempts_claimed),
             attempts_completed: l(&self.attempts_completed),
             attempts_failed: l(&self.attempts_failed),

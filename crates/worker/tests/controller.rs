@@ -1155,3 +1155,64 @@ async fn invalid_configs_are_rejected_with_the_setting_named() {
         assert!(err.to_string().contains(setting));
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_snapshot_reports_batch_sizes_attempt_durations_and_due_lateness_histograms() {
+    let src = ScriptedSource::new();
+    // Startup claim: 3 attempts (3 ms, 100 ms, 200 s); the slow one is still in flight when the
+    // due timers fire, so the claim cooldown applies to the second one.
+    src.push_claim(Step::ok(ClaimPlan::done(vec![
+        AttemptPlan::ok(Duration::from_millis(3)),
+        AttemptPlan::ok(Duration::from_millis(100)),
+        AttemptPlan::ok(Duration::from_secs(200)),
+    ])));
+    // Due at 90 s: claimed at once (lateness 0). Then due 5 ms after that claim, but the claim
+    // cooldown (20 ms from the previous claim) holds it to 90.020 s: 15 ms late.
+    src.push_next_work_at(Step::ok(Due::In(Duration::from_secs(90))));
+    src.push_next_work_at(Step::ok(Due::In(Duration::from_millis(5))));
+    let r = start_with(&src, config(&src).claim_cooldown(Duration::from_millis(20)));
+    // Past the slow attempt's end, before the 300 s backstop.
+    sleep(Duration::from_secs(250)).await;
+    settle().await;
+    assert_eq!(
+        src.times(Op::Claim),
+        vec![
+            Duration::ZERO,
+            90 * SEC,
+            90 * SEC + Duration::from_millis(20)
+        ]
+    );
+    let snap = r.handle.snapshot();
+    let ms = |n: u64| n * 1_000_000;
+
+    let b = &snap.claim_batch;
+    assert_eq!(b.unit, nexuscrm_worker::HistogramUnit::Items);
+    assert_eq!(b.bounds, &nexuscrm_worker::CLAIM_BATCH_BOUNDS[..]);
+    // Two empty claims (le 0) and one of 3 (le 4).
+    let mut want = vec![0u64; b.bounds.len() + 1];
+    want[0] = 2;
+    want[3] = 1;
+    assert_eq!((b.buckets.clone(), b.sum, b.count()), (want, 3, 3));
+
+    let a = &snap.attempt_duration;
+    assert_eq!(a.unit, nexuscrm_worker::HistogramUnit::Nanoseconds);
+    // 3 ms (le 5 ms), 100 ms (le 100 ms), 200 s (above the last bound, 120 s).
+    let at = |bounds: &[u64], v: u64| bounds.iter().position(|b| *b == v).unwrap();
+    let mut want = vec![0u64; a.bounds.len() + 1];
+    want[at(a.bounds, ms(5))] = 1;
+    want[at(a.bounds, ms(100))] = 1;
+    want[a.bounds.len()] = 1;
+    assert_eq!(a.buckets, want);
+    assert_eq!(a.sum, ms(3) + ms(100) + ms(200_000));
+    assert_eq!(a.scaled(a.sum), 200.103);
+
+    let l = &snap.due_lateness;
+    // 0 (le 0.1 ms) and 15 ms (le 25 ms).
+    let mut want = vec![0u64; l.bounds.len() + 1];
+    want[0] = 1;
+    want[at(l.bounds, ms(25))] = 1;
+    assert_eq!((l.buckets.clone(), l.sum), (want, ms(15)));
+    assert_eq!((snap.timers_armed, snap.timers_fired), (2, 2));
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
