@@ -392,7 +392,22 @@ impl BulkAttempt {
             .await
     }
 
+    /// One segment transaction (rows applied, cursor advanced, the job's disposition when it
+    /// is the last), in a `disposition` span with the job and generation.
     async fn segment(&self, cancel: &CancellationToken) -> Result<Segment, WriteError> {
+        tracing::Instrument::instrument(
+            self.segment_inner(cancel),
+            tracing::info_span!(
+                "disposition",
+                family = "bulk",
+                item = self.job.id,
+                generation = self.bulk.inner.fence.generation()
+            ),
+        )
+        .await
+    }
+
+    async fn segment_inner(&self, cancel: &CancellationToken) -> Result<Segment, WriteError> {
         let inner = &self.bulk.inner;
         let db = inner.db.clone();
         let fence = inner.fence.clone();
@@ -495,8 +510,9 @@ impl BulkAttempt {
     }
 }
 
-impl Attempt for BulkAttempt {
-    async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
+impl BulkAttempt {
+    /// The attempt itself; [`Attempt::run`] runs it in its span.
+    async fn execute(self, cancel: CancellationToken) -> Result<(), AttemptError> {
         let faults = self.bulk.inner.faults.clone();
         if self.job.stalled > self.job.max_attempts {
             // Every earlier claim in a row ended without committing a segment (its worker
@@ -563,6 +579,17 @@ impl Attempt for BulkAttempt {
                 }
             }
         }
+    }
+}
+
+impl Attempt for BulkAttempt {
+    async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
+        let span = tracing::info_span!(
+            "bulk.job",
+            item = self.job.id,
+            generation = self.bulk.inner.fence.generation()
+        );
+        tracing::Instrument::instrument(self.execute(cancel), span).await
     }
 }
 

@@ -196,7 +196,22 @@ impl FlowAttempt {
 
     /// One reservation transaction: check the token, version, lease and fence; insert the runs
     /// of the plan; advance the cursor; keep the lease if more remain.
+    /// [`reserve_inner`](Self::reserve_inner) in a `disposition` span with the schedule and
+    /// generation.
     async fn reserve(&self, cancel: &CancellationToken) -> Result<Reserved, WriteError> {
+        tracing::Instrument::instrument(
+            self.reserve_inner(cancel),
+            tracing::info_span!(
+                "disposition",
+                family = "flow",
+                item = self.id,
+                generation = self.flow.inner.fence.generation()
+            ),
+        )
+        .await
+    }
+
+    async fn reserve_inner(&self, cancel: &CancellationToken) -> Result<Reserved, WriteError> {
         let inner = &self.flow.inner;
         let (db, fence) = (inner.db.clone(), inner.fence.clone());
         let q = queries(db.dialect());
@@ -390,8 +405,9 @@ impl FlowAttempt {
     }
 }
 
-impl Attempt for FlowAttempt {
-    async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
+impl FlowAttempt {
+    /// The attempt itself; [`Attempt::run`] runs it in its span.
+    async fn execute(self, cancel: CancellationToken) -> Result<(), AttemptError> {
         let faults = self.flow.inner.faults.clone();
         faults.hit(CrashPoint::BeforeEffect).map_err(crash)?;
         let mut first = true;
@@ -454,5 +470,16 @@ impl Attempt for FlowAttempt {
                 }
             }
         }
+    }
+}
+
+impl Attempt for FlowAttempt {
+    async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
+        let span = tracing::info_span!(
+            "flow.schedule",
+            item = self.id,
+            generation = self.flow.inner.fence.generation()
+        );
+        tracing::Instrument::instrument(self.execute(cancel), span).await
     }
 }

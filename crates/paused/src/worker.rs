@@ -311,7 +311,29 @@ impl PausedAttempt {
 
     /// One fenced write on this claim: `Ok(false)` when the lease or the fence is lost (it
     /// wrote nothing).
+    /// [`fenced_inner`](Self::fenced_inner) in a `disposition` span with the pause, the
+    /// generation and what is written (intent, heartbeat or done).
     async fn fenced(&self, cancel: &CancellationToken, what: Fenced) -> Result<bool, WriteError> {
+        let kind = match &what {
+            Fenced::Intent => "intent",
+            Fenced::Heartbeat => "heartbeat",
+            Fenced::Done(_) => "done",
+        };
+        let span = tracing::info_span!(
+            "disposition",
+            family = "paused",
+            item = self.claimed.id,
+            generation = self.store.worker.fence.generation(),
+            write = kind
+        );
+        tracing::Instrument::instrument(self.fenced_inner(cancel, what), span).await
+    }
+
+    async fn fenced_inner(
+        &self,
+        cancel: &CancellationToken,
+        what: Fenced,
+    ) -> Result<bool, WriteError> {
         let store = &self.store;
         let q = queries(store.db.dialect());
         let id = self.claimed.id;
@@ -434,8 +456,9 @@ impl PausedAttempt {
     }
 }
 
-impl Attempt for PausedAttempt {
-    async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
+impl PausedAttempt {
+    /// The attempt itself; [`Attempt::run`] runs it in its span.
+    async fn execute(self, cancel: CancellationToken) -> Result<(), AttemptError> {
         let store = self.store.clone();
         let faults = &store.worker.faults;
         let Some(connector) = store.worker.connector.clone() else {
@@ -564,6 +587,17 @@ impl Attempt for PausedAttempt {
                 .map_err(AttemptError::new)?;
         }
         Ok(())
+    }
+}
+
+impl Attempt for PausedAttempt {
+    async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
+        let span = tracing::info_span!(
+            "paused.step",
+            item = self.claimed.id,
+            generation = self.store.worker.fence.generation()
+        );
+        tracing::Instrument::instrument(self.execute(cancel), span).await
     }
 }
 

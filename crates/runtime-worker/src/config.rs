@@ -22,6 +22,8 @@ pub(crate) struct RawConfig {
     pub(crate) admin_allowed_hosts: Option<Vec<String>>,
     pub(crate) shutdown_timeout_secs: Option<u64>,
     pub(crate) log_format: Option<String>,
+    /// Export tracing spans over OTLP/HTTP (JSON) to this URL (off when absent).
+    pub(crate) otlp_traces_endpoint: Option<String>,
     pub(crate) bulk: Option<RawBulk>,
     pub(crate) flow: Option<RawFlow>,
     pub(crate) paused: Option<RawPaused>,
@@ -95,6 +97,8 @@ pub(crate) struct Settings {
     pub(crate) admin_allowed_hosts: Vec<String>,
     pub(crate) shutdown_timeout: Duration,
     pub(crate) log_format: LogFormat,
+    /// Where spans go over OTLP/HTTP (JSON), when traces are exported.
+    pub(crate) otlp_traces_endpoint: Option<String>,
     pub(crate) bulk: BulkSettings,
     pub(crate) flow: FlowSettings,
     pub(crate) paused: PausedSettings,
@@ -163,7 +167,8 @@ impl RawConfig {
             admin_addr,
             admin_allowed_hosts,
             shutdown_timeout_secs,
-            log_format
+            log_format,
+            otlp_traces_endpoint
         );
         if let Some(ob) = other.bulk {
             let mut b = self.bulk.take().unwrap_or_default();
@@ -286,6 +291,7 @@ impl RawConfig {
             }),
             shutdown_timeout_secs: parse("NEXUSCRM_SHUTDOWN_TIMEOUT_SECS")?,
             log_format: var("NEXUSCRM_LOG_FORMAT"),
+            otlp_traces_endpoint: var("NEXUSCRM_OTLP_TRACES_ENDPOINT"),
             bulk: Some(bulk),
         })
     }
@@ -343,6 +349,23 @@ impl RawConfig {
                     format!("{other:?} must be \"text\" or \"json\""),
                 ));
             }
+        };
+        let otlp_traces_endpoint = match self.otlp_traces_endpoint {
+            Some(u) if u.trim().is_empty() => None,
+            Some(u) => {
+                let u = u.trim().to_owned();
+                let rest = u
+                    .strip_prefix("http://")
+                    .or_else(|| u.strip_prefix("https://"));
+                if rest.is_none_or(|r| r.is_empty() || r.starts_with('/')) {
+                    return Err(bad(
+                        "otlp_traces_endpoint",
+                        format!("{u:?} is not an http:// or https:// URL with a host"),
+                    ));
+                }
+                Some(u)
+            }
+            None => None,
         };
         let b = self.bulk.unwrap_or_default();
         let capacity = b.capacity.unwrap_or(4);
@@ -448,6 +471,7 @@ impl RawConfig {
             admin_allowed_hosts,
             shutdown_timeout: Duration::from_secs(shutdown),
             log_format,
+            otlp_traces_endpoint,
             bulk: BulkSettings {
                 enabled: b.enabled.unwrap_or(true),
                 capacity,
@@ -604,6 +628,26 @@ mod tests {
         assert!(raw.validate().unwrap_err().contains("`bulk.capacity`"));
         let raw: RawConfig = toml::from_str("admin_addr = '0.0.0.0:9464'").unwrap();
         assert!(raw.validate().unwrap_err().contains("not a loopback"));
+        let raw: RawConfig = toml::from_str("otlp_traces_endpoint = 'localhost:4318'").unwrap();
+        assert!(
+            raw.validate()
+                .unwrap_err()
+                .contains("`otlp_traces_endpoint`")
+        );
+        let raw: RawConfig =
+            toml::from_str("otlp_traces_endpoint = 'http://127.0.0.1:4318/v1/traces'").unwrap();
+        assert_eq!(
+            raw.validate().unwrap().otlp_traces_endpoint.as_deref(),
+            Some("http://127.0.0.1:4318/v1/traces")
+        );
+        assert_eq!(
+            RawConfig::default()
+                .validate()
+                .unwrap()
+                .otlp_traces_endpoint,
+            None,
+            "off by default"
+        );
         let raw: RawConfig = toml::from_str("log_format = 'yaml'").unwrap();
         assert!(raw.validate().unwrap_err().contains("`log_format`"));
     }

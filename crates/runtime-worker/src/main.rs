@@ -422,7 +422,16 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    init_logs(settings.log_format);
+    let traces = match init_logs(
+        settings.log_format,
+        settings.otlp_traces_endpoint.as_deref(),
+    ) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -430,13 +439,16 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(run(cli, settings)) {
+    let code = match rt.block_on(run(cli, settings)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::from(1)
         }
-    }
+    };
+    drop(rt);
+    drop(traces);
+    code
 }
 
 pub(crate) type AnyError = Box<dyn std::error::Error + Send + Sync>;
@@ -594,16 +606,69 @@ fn settings(cli: &Cli) -> Result<config::Settings, String> {
         .validate()
 }
 
-fn init_logs(format: config::LogFormat) {
+/// The OTLP span pipeline, when traces are exported: flushed and shut down at exit.
+struct Traces(opentelemetry_sdk::trace::SdkTracerProvider);
+
+impl Drop for Traces {
+    fn drop(&mut self) {
+        // Export what is buffered before the process ends; an unreachable collector only
+        // costs the exporter's timeout.
+        if let Err(e) = self.0.shutdown() {
+            eprintln!("warning: exporting the last spans failed: {e}");
+        }
+    }
+}
+
+/// Logs to stderr (text or JSON), and, when `otlp` names a collector, every span (claim,
+/// attempt, disposition, reconcile; with family, item and generation) over OTLP/HTTP as JSON
+/// too, in batches from a thread of its own, so an absent collector never slows the work.
+fn init_logs(format: config::LogFormat, otlp: Option<&str>) -> Result<Option<Traces>, AnyError> {
     use std::io::IsTerminal as _;
-    let builder = tracing_subscriber::fmt()
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal());
-    let _ = match format {
-        config::LogFormat::Json => builder.json().try_init(),
-        config::LogFormat::Text => builder.try_init(),
+    let fmt = match format {
+        config::LogFormat::Json => fmt.json().boxed(),
+        config::LogFormat::Text => fmt.boxed(),
     };
+    let level = tracing_subscriber::filter::LevelFilter::INFO;
+    let Some(endpoint) = otlp else {
+        let _ = tracing_subscriber::registry()
+            .with(fmt.with_filter(level))
+            .try_init();
+        return Ok(None);
+    };
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_otlp::WithExportConfig as _;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_protocol(opentelemetry_otlp::Protocol::HttpJson)
+        .with_endpoint(endpoint)
+        .with_timeout(Duration::from_secs(5))
+        .build()
+        .map_err(|e| format!("otlp_traces_endpoint {endpoint}: {e}"))?;
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name("nexuscrm-runtime-worker")
+                .build(),
+        )
+        .build();
+    let tracer = provider.tracer("nexuscrm-runtime-worker");
+    let _ = tracing_subscriber::registry()
+        .with(fmt.with_filter(level))
+        .with(
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_filter(level),
+        )
+        .try_init();
+    Ok(Some(Traces(provider)))
 }
 
 async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError> {

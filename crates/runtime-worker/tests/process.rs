@@ -1402,3 +1402,107 @@ async fn the_resume_endpoint_is_off_by_default_needs_its_secret_and_resumes_once
     assert!(!log.contains(SECRET) && !log.contains(&token[4..]), "{log}");
     t.drop_database().await;
 }
+
+/// A local OTLP/HTTP (JSON) receiver: records every span's name and attributes.
+async fn otlp_receiver() -> (u16, Arc<Mutex<Vec<(String, serde_json::Value)>>>) {
+    let spans: Arc<Mutex<Vec<(String, serde_json::Value)>>> = Arc::default();
+    let sink = spans.clone();
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |body: String| {
+            let sink = sink.clone();
+            async move {
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                let mut got = sink.lock().unwrap();
+                for rs in v["resourceSpans"].as_array().into_iter().flatten() {
+                    for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
+                        for span in ss["spans"].as_array().into_iter().flatten() {
+                            let mut attrs = serde_json::Map::new();
+                            for a in span["attributes"].as_array().into_iter().flatten() {
+                                let value = a["value"]
+                                    .as_object()
+                                    .and_then(|o| o.values().next().cloned())
+                                    .unwrap_or_default();
+                                attrs.insert(a["key"].as_str().unwrap_or("").to_owned(), value);
+                            }
+                            got.push((
+                                span["name"].as_str().unwrap_or("").to_owned(),
+                                serde_json::Value::Object(attrs),
+                            ));
+                        }
+                    }
+                }
+                "{}"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (port, spans)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_over_otlp_when_configured_with_family_item_and_generation() {
+    let t = TestDb::create(Dialect::Sqlite, "otlp").await.unwrap();
+    submit(&t.url, "traced", 120, 50);
+    let (port, spans) = otlp_receiver().await;
+    let endpoint = format!("http://127.0.0.1:{port}/v1/traces");
+    let mut w = start_with_env(
+        &t.url,
+        "0.5",
+        &[],
+        &[("NEXUSCRM_OTLP_TRACES_ENDPOINT", endpoint.as_str())],
+    );
+    let db = Db::connect(&t.url).await.unwrap();
+    wait_all_succeeded(&db, 1, Duration::from_secs(60)).await;
+    // OTLP JSON carries 64-bit integers as strings.
+    let job = scalar(&db, "SELECT id FROM bulk_job").await.to_string();
+    // SIGTERM: the drain ends, and the exporter flushes what it holds before the exit.
+    stop_clean(&mut w);
+    let spans = spans.lock().unwrap().clone();
+    let named = |name: &str| -> Vec<&serde_json::Value> {
+        spans
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, a)| a)
+            .collect()
+    };
+    for name in ["reconcile", "claim", "attempt", "next_work_at"] {
+        assert!(
+            named(name).iter().any(|a| a["family"] == "bulk"),
+            "a {name} span of bulk among {spans:?}"
+        );
+    }
+    let job_spans = named("bulk.job");
+    assert!(
+        job_spans
+            .iter()
+            .any(|a| a["item"] == job.as_str() && a["generation"] == "1"),
+        "the job's attempt span with its id and generation: {spans:?}"
+    );
+    // 120 rows in segments of 50: three segment transactions, each a disposition span.
+    let dispositions: Vec<_> = named("disposition")
+        .into_iter()
+        .filter(|a| a["family"] == "bulk" && a["item"] == job.as_str())
+        .collect();
+    assert_eq!(dispositions.len(), 3, "{spans:?}");
+    assert!(named("reconcile").iter().any(|a| a["cause"] == "Startup"));
+    db.close().await;
+    t.drop_database().await;
+}
+
+#[test]
+fn a_bad_otlp_endpoint_is_refused_before_anything_starts() {
+    let out = Command::new(BIN)
+        .args(["--database-url", "sqlite::memory:", "run"])
+        .env("NEXUSCRM_OTLP_TRACES_ENDPOINT", "collector:4318")
+        .env_remove("NEXUSCRM_DATABASE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("otlp_traces_endpoint"), "{err}");
+}

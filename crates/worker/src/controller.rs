@@ -853,7 +853,14 @@ impl<S: Source> Run<S> {
         self.counters().reconcile(cause);
         let src = self.source.clone();
         let token = self.stop.clone();
-        let result = self.op(async move { src.reconcile(token).await }).await;
+        let result = self
+            .op(traced!(
+                async move { src.reconcile(token).await },
+                "reconcile",
+                family = %self.shared.name,
+                cause = ?cause
+            ))
+            .await;
         self.next_backstop = self.backstop_after_now();
         match result {
             Ok(Ok(())) => {
@@ -888,7 +895,14 @@ impl<S: Source> Run<S> {
                 .due_lateness
                 .record_duration(issued.saturating_duration_since(due));
         }
-        let result = self.op(async move { src.claim(free, token).await }).await;
+        let result = self
+            .op(traced!(
+                async move { src.claim(free, token).await },
+                "claim",
+                family = %self.shared.name,
+                capacity = free.get()
+            ))
+            .await;
         if result.is_ok() {
             self.counters().claim_latency(issued.elapsed());
         }
@@ -935,9 +949,10 @@ impl<S: Source> Run<S> {
                 began: Instant::now(),
             };
             let token = self.stop.clone();
+            let run = traced!(attempt.run(token), "attempt", family = %self.shared.name);
             self.attempts.spawn(async move {
                 let _timed = timed;
-                attempt.run(token).await
+                run.await
             });
         }
         self.sync_in_flight();
@@ -953,7 +968,14 @@ impl<S: Source> Run<S> {
         bump(&self.counters().next_work_at_calls);
         let src = self.source.clone();
         let token = self.stop.clone();
-        match self.op(async move { src.next_work_at(token).await }).await {
+        match self
+            .op(traced!(
+                async move { src.next_work_at(token).await },
+                "next_work_at",
+                family = %self.shared.name
+            ))
+            .await
+        {
             Ok(Ok(Some(at))) => {
                 let now = self.config.clock.now();
                 match at.duration_since(now) {

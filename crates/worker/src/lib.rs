@@ -140,6 +140,22 @@ macro_rules! log_event {
     };
 }
 
+/// `$fut` inside an info span `$name` with `$fields` when the `tracing` feature is on; `$fut`
+/// itself otherwise (the fields are then never evaluated).
+#[cfg(feature = "tracing")]
+macro_rules! traced {
+    ($fut:expr, $name:literal $(, $($fields:tt)*)?) => {
+        ::tracing::Instrument::instrument($fut, ::tracing::info_span!($name $(, $($fields)*)?))
+    };
+}
+
+#[cfg(not(feature = "tracing"))]
+macro_rules! traced {
+    ($fut:expr, $name:literal $(, $($fields:tt)*)?) => {
+        $fut
+    };
+}
+
 pub mod bridge;
 mod classification;
 mod clock;
