@@ -42,7 +42,10 @@ pub(crate) struct ObservationCache {
 impl ObservationCache {
     /// The observations no older than [`OBSERVATION_TTL`], read from `store` when the last
     /// reading is older (errors are not kept: the next scrape tries again), with their age.
-    async fn get(&self, store: &Store) -> Result<(Value, Gauges, std::time::Duration), String> {
+    pub(crate) async fn get(
+        &self,
+        store: &Store,
+    ) -> Result<(Value, Gauges, std::time::Duration), String> {
         self.get_at(store, tokio::time::Instant::now()).await
     }
 
@@ -222,6 +225,7 @@ pub(crate) fn router(admin: Admin) -> Router {
         .route("/readyz", get(readyz))
         .route("/snapshot", get(snapshot))
         .route("/metrics", get(metrics))
+        .merge(crate::console::routes())
         .with_state(admin);
     match resume {
         Some(endpoint) => router.merge(endpoint.router()),

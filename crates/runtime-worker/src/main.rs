@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 mod admin;
 mod config;
+mod console;
 mod http;
 mod metrics;
 mod resume;
