@@ -216,6 +216,8 @@ pub(crate) struct Admin {
     pub(crate) database: Arc<DatabaseCheck>,
     /// `POST /paused/resume`, when `paused.resume_endpoint` is on.
     pub(crate) resume: Option<crate::resume::ResumeEndpoint>,
+    /// What the console may do (read-only without `console_secret`).
+    pub(crate) console: crate::console::Actions,
 }
 
 pub(crate) fn router(admin: Admin) -> Router {

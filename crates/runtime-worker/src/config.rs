@@ -24,6 +24,8 @@ pub(crate) struct RawConfig {
     pub(crate) log_format: Option<String>,
     /// Export tracing spans over OTLP/HTTP (JSON) to this URL (off when absent).
     pub(crate) otlp_traces_endpoint: Option<String>,
+    /// The secret the console asks for before a decision (read-only without one).
+    pub(crate) console_secret: Option<crate::resume::SecretText>,
     pub(crate) bulk: Option<RawBulk>,
     pub(crate) flow: Option<RawFlow>,
     pub(crate) paused: Option<RawPaused>,
@@ -99,6 +101,8 @@ pub(crate) struct Settings {
     pub(crate) log_format: LogFormat,
     /// Where spans go over OTLP/HTTP (JSON), when traces are exported.
     pub(crate) otlp_traces_endpoint: Option<String>,
+    /// The console's secret; read-only without one.
+    pub(crate) console_secret: Option<crate::resume::Secret>,
     pub(crate) bulk: BulkSettings,
     pub(crate) flow: FlowSettings,
     pub(crate) paused: PausedSettings,
@@ -168,7 +172,8 @@ impl RawConfig {
             admin_allowed_hosts,
             shutdown_timeout_secs,
             log_format,
-            otlp_traces_endpoint
+            otlp_traces_endpoint,
+            console_secret
         );
         if let Some(ob) = other.bulk {
             let mut b = self.bulk.take().unwrap_or_default();
@@ -292,6 +297,7 @@ impl RawConfig {
             shutdown_timeout_secs: parse("NEXUSCRM_SHUTDOWN_TIMEOUT_SECS")?,
             log_format: var("NEXUSCRM_LOG_FORMAT"),
             otlp_traces_endpoint: var("NEXUSCRM_OTLP_TRACES_ENDPOINT"),
+            console_secret: var("NEXUSCRM_CONSOLE_SECRET").map(crate::resume::SecretText),
             bulk: Some(bulk),
         })
     }
@@ -366,6 +372,23 @@ impl RawConfig {
                 Some(u)
             }
             None => None,
+        };
+        let console_secret = match &self.console_secret {
+            None => None,
+            Some(crate::resume::SecretText(secret))
+                if secret.len() < crate::resume::MIN_SECRET_BYTES =>
+            {
+                // The message never repeats the secret.
+                return Err(bad(
+                    "console_secret",
+                    format!(
+                        "is {} bytes; at least {} are needed (for example `openssl rand -hex 32`)",
+                        secret.len(),
+                        crate::resume::MIN_SECRET_BYTES
+                    ),
+                ));
+            }
+            Some(crate::resume::SecretText(secret)) => Some(crate::resume::Secret::new(secret)),
         };
         let b = self.bulk.unwrap_or_default();
         let capacity = b.capacity.unwrap_or(4);
@@ -472,6 +495,7 @@ impl RawConfig {
             shutdown_timeout: Duration::from_secs(shutdown),
             log_format,
             otlp_traces_endpoint,
+            console_secret,
             bulk: BulkSettings {
                 enabled: b.enabled.unwrap_or(true),
                 capacity,
@@ -648,6 +672,15 @@ mod tests {
             None,
             "off by default"
         );
+        let raw: RawConfig = toml::from_str("console_secret = 'short'").unwrap();
+        let e = raw.validate().unwrap_err();
+        assert!(
+            e.contains("`console_secret`") && !e.contains("short"),
+            "{e}"
+        );
+        let raw: RawConfig =
+            toml::from_str("console_secret = '0123456789abcdef0123456789abcdef'").unwrap();
+        assert!(raw.validate().unwrap().console_secret.is_some());
         let raw: RawConfig = toml::from_str("log_format = 'yaml'").unwrap();
         assert!(raw.validate().unwrap_err().contains("`log_format`"));
     }

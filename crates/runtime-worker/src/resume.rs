@@ -61,7 +61,7 @@ impl Secret {
 
     /// Compares in time independent of where `offered` differs (both sides are hashed first, so
     /// its length does not show either).
-    fn matches(&self, offered: &[u8]) -> bool {
+    pub(crate) fn matches(&self, offered: &[u8]) -> bool {
         let offered: [u8; 32] = Sha256::digest(offered).into();
         offered
             .iter()

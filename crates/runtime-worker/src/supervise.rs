@@ -241,6 +241,7 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
             .resume_secret
             .clone()
             .map(|secret| crate::resume::ResumeEndpoint::new(paused.clone(), secret)),
+        console: crate::console::Actions::new(s.console_secret.clone()),
     };
     if admin_state.resume.is_some() {
         tracing::info!(
