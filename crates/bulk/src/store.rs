@@ -5,7 +5,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
-use nexuscrm_persistence::support::{echo, is_unique_violation, retrying, text, to_ms};
+use nexuscrm_persistence::support::{echo, from_ms, is_unique_violation, retrying, text, to_ms};
 use nexuscrm_persistence::{
     Db, DbError, Dialect, DialectQueries, Fence, GenerationProbe, Migration, Queries, WriteError,
 };
@@ -358,6 +358,17 @@ pub struct JobStatus {
     /// `max_attempts`, so a job that makes progress on every claim is never poisoned by the
     /// crashes of its workers. A committed segment resets it; so does [`Bulk::retry`].
     pub stalled_claims: i64,
+    /// When the job was submitted.
+    pub created_at: SystemTime,
+}
+
+/// A row that row-level validation rejected, with its reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowError {
+    /// The row's input ordinal (0-based, in submission order).
+    pub ordinal: i64,
+    /// Why it was rejected.
+    pub message: String,
 }
 
 impl JobStatus {
@@ -804,6 +815,31 @@ impl Bulk {
             .map_err(|e| BulkError::db("decoding the job", e))
     }
 
+    /// The first `limit` rows of `job` that row-level validation rejected, by ordinal, with
+    /// their reasons ([`JobStatus::rejected_rows`] counts them all).
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn row_errors(&self, job: JobId, limit: i64) -> Result<Vec<RowError>, BulkError> {
+        let q = queries(self.inner.db.dialect());
+        let rows = sqlx::query(q.get("row_errors"))
+            .bind(job.0)
+            .bind(limit)
+            .fetch_all(self.inner.db.pool())
+            .await
+            .map_err(|e| BulkError::db("reading rejected rows", e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(RowError {
+                    ordinal: r.try_get(0)?,
+                    message: text(r, 1)?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(|e| BulkError::db("decoding rejected rows", e))
+    }
+
     /// The newest `limit` jobs.
     ///
     /// # Errors
@@ -907,6 +943,7 @@ fn decode_status(r: &sqlx::any::AnyRow) -> Result<JobStatus, sqlx::Error> {
         rejected_rows: r.try_get(8)?,
         last_error: Some(text(r, 9)?).filter(|e| !e.is_empty()),
         stalled_claims: r.try_get(11)?,
+        created_at: from_ms(r.try_get(12)?),
     })
 }
 

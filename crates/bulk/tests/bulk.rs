@@ -150,6 +150,22 @@ async fn bad_input_is_rejected_before_acceptance_and_row_failures_are_recorded()
             String::from_utf8(msg).unwrap()
         };
         assert!(msg.contains("invalid email"), "{msg}");
+        // The same through the API the console reads: the rejected row's ordinal and reason.
+        let errors = bulk.row_errors(id, 10).await.unwrap();
+        assert_eq!(errors.len(), 1, "{d}: {errors:?}");
+        assert_eq!(errors[0].ordinal, 2, "{d}");
+        assert_eq!(errors[0].message, msg, "{d}");
+        assert!(
+            bulk.row_errors(first.job, 10).await.unwrap().is_empty(),
+            "{d}"
+        );
+        let age = std::time::SystemTime::now()
+            .duration_since(s.created_at)
+            .unwrap();
+        assert!(
+            age < std::time::Duration::from_secs(600),
+            "{d}: created {age:?} ago"
+        );
         assert_eq!(applied(&t.db).await.duplicated, 0);
         t.drop_database().await;
     }

@@ -282,6 +282,7 @@ fn snapshot_json(s: &Snapshot) -> Value {
         "generation_probes": s.generation_probes,
         "generation_changes": s.generation_changes, "generation_losses": s.generation_losses,
         "poisoned": s.poisoned,
+        "last_claim_at_ms": s.last_claim_at.map(nexuscrm_persistence::support::to_ms),
     })
 }
 

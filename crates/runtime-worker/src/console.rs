@@ -1,15 +1,23 @@
 //! The operators' console: server-rendered HTML pages on the admin server (same loopback
-//! address and `Host` guard), one page per concern. No script and nothing from a CDN; pages
-//! refresh themselves every 5 s with a `<meta http-equiv="refresh">`. Every value is escaped
-//! by `maud` (record data is user input).
+//! address and `Host` guard), one page per concern, with nothing from a CDN. Every value is
+//! escaped by `maud` (record data is user input).
+//!
+//! - `/console`: every family with its declaration, proof and controller state, updated in
+//!   place from server-sent events (`/console/events`) by the one vendored script
+//!   (`/console/live.js`, which sets text, never HTML); without scripts it reloads every 5 s.
+//! - `/console/bulk` (filters `state` and `age`), `/console/bulk/{id}`: progress, rejected rows
+//!   with their reasons, the last error.
+//! - `/console/schedules`, `/console/schedules/{id}`: spec and zone, policy, next occurrence,
+//!   recent runs, pause and resume.
+//! - `/console/paused`: every pause, and each uncertain one's evidence and resolve page.
 //!
 //! Without `console_secret` the console is **read-only** and says so on every page. With it,
 //! an uncertain pause can be resolved (`applied`, `not-applied`, `retry`) through a
-//! confirmation page: the action is a POST carrying the secret and a CSRF token derived from a
-//! per-process random key and the pause id, so another site cannot forge it (it can neither
-//! read the page nor know the key). Other decisions (retrying a job, pausing a schedule) are
-//! made with the CLI. Reads use each family's one-connection observation pool, never the
-//! business pool, and every list is bounded.
+//! confirmation page and a schedule paused or resumed: each action is a POST carrying the
+//! secret and a CSRF token derived from a per-process random key and the action's subject, so
+//! another site cannot forge it (it can neither read the page nor know the key). Other
+//! decisions (retrying a poisoned job) are made with the CLI. Reads use each family's
+//! one-connection observation pool, never the business pool, and every list is bounded.
 
 use axum::Router;
 use axum::extract::{Form, Path, Query, State};
@@ -29,8 +37,16 @@ pub(crate) const LIST_LIMIT: i64 = 200;
 pub(crate) fn routes() -> Router<Admin> {
     Router::new()
         .route("/console", get(families))
+        .route("/console/events", get(family_events))
+        .route("/console/live.js", get(live_script))
         .route("/console/bulk", get(bulk_jobs))
+        .route("/console/bulk/{id}", get(bulk_job))
         .route("/console/schedules", get(schedules))
+        .route("/console/schedules/{id}", get(schedule_page))
+        .route(
+            "/console/schedules/{id}/{action}",
+            axum::routing::post(schedule_action),
+        )
         .route("/console/paused", get(paused))
         .route(
             "/console/paused/{id}/resolve",
@@ -106,8 +122,8 @@ fn random_key() -> [u8; 32] {
 /// What every page says about the console's powers.
 fn notice(actions: &Actions) -> &'static str {
     if actions.enabled() {
-        "Uncertain pauses can be resolved here (the console secret is asked for each \
-         decision); other decisions are made with the CLI."
+        "Uncertain pauses can be resolved and schedules paused or resumed here (the console \
+         secret is asked for each decision); other decisions are made with the CLI."
     } else {
         "Read-only console (no console_secret is configured): decisions are made with the CLI \
          (pause resolve, bulk retry, schedule pause|resume)."
@@ -115,17 +131,36 @@ fn notice(actions: &Actions) -> &'static str {
 }
 
 fn page(actions: &Actions, title: &str, body: Markup) -> Response {
-    page_with(title, body, true, notice(actions))
+    page_with(title, body, Refresh::Reload, notice(actions))
 }
 
-/// A page; `refresh` off for forms (a refresh would drop what is typed).
-fn page_with(title: &str, body: Markup, refresh: bool, notice: &str) -> Response {
+/// How a page stays current.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Refresh {
+    /// Reloads itself every 5 s (`<meta http-equiv="refresh">`).
+    Reload,
+    /// Updated in place from `/console/events` by the vendored `live.js`; reloads every 5 s
+    /// when scripts are off.
+    Live,
+    /// Never (a form: a refresh would drop what is typed).
+    Off,
+}
+
+/// A page.
+fn page_with(title: &str, body: Markup, refresh: Refresh, notice: &str) -> Response {
     let markup = html! {
         (DOCTYPE)
         html lang="en" {
             head {
                 meta charset="utf-8";
-                @if refresh { meta http-equiv="refresh" content="5"; }
+                @match refresh {
+                    Refresh::Reload => { meta http-equiv="refresh" content="5"; }
+                    Refresh::Live => {
+                        noscript { meta http-equiv="refresh" content="5"; }
+                        script src="/console/live.js" defer {}
+                    }
+                    Refresh::Off => {}
+                }
                 title { "NexusCRM worker: " (title) }
                 style { (CSS) }
             }
@@ -136,7 +171,14 @@ fn page_with(title: &str, body: Markup, refresh: bool, notice: &str) -> Response
                     a href="/console/schedules" { "Schedules" } " "
                     a href="/console/paused?state=uncertain" { "Paused and uncertain" }
                 }
-                p.readonly { (notice) " Refreshes every 5 s." }
+                p.readonly {
+                    (notice)
+                    @match refresh {
+                        Refresh::Reload => " Refreshes every 5 s.",
+                        Refresh::Live => { " Live: " span #live { "connecting…" } }
+                        Refresh::Off => "",
+                    }
+                }
                 h1 { (title) }
                 (body)
             }
@@ -165,48 +207,204 @@ fn store_error(actions: &Actions, what: &str, e: impl std::fmt::Display) -> Resp
         .into_response()
 }
 
+/// Where each family's declaration is proven (the test files are checked to exist by a unit
+/// test, so an entry cannot name a proof that is gone).
+pub(crate) fn proof_of(family: &str) -> &'static [&'static str] {
+    match family {
+        "bulk" => &[
+            "crates/bulk/tests/crash_matrix.rs: the crash matrix on SQLite, PostgreSQL, MariaDB and Galera",
+            "crates/bulk/tests/scenarios.rs: the kit's conformance scenarios",
+            "crates/bulk/tests/galera.rs: 4 workers over 3 Galera nodes",
+        ],
+        "flow" => &[
+            "crates/flow/tests/crash_matrix.rs: the crash matrix on SQLite, PostgreSQL, MariaDB and Galera",
+            "crates/flow/tests/scenarios.rs: the kit's conformance scenarios",
+            "crates/flow/tests/galera_node_loss.rs: a Galera node killed mid-run",
+        ],
+        "paused" => &[
+            "crates/paused/tests/crash_matrix.rs: the crash matrix with outcome-uncertain quarantine",
+            "crates/paused/tests/scenarios.rs: the kit's conformance scenarios",
+            "crates/paused/tests/load.rs: 4 workers, each effect once, also over 3 Galera nodes",
+        ],
+        _ => &[],
+    }
+}
+
+/// One family's live figures, each already formatted as the families page shows it (the
+/// page's cells carry `data-live="FAMILY:FIELD"`; `live.js` sets their text from this).
+async fn family_figures(f: &crate::admin::Family) -> serde_json::Map<String, serde_json::Value> {
+    use serde_json::Value::String as S;
+    let s = f.handle.snapshot();
+    let state = if s.poisoned.is_some() {
+        "poisoned"
+    } else if s.ready {
+        "ready"
+    } else {
+        "not ready"
+    };
+    let observed = match f.observed.get(&f.store).await {
+        Ok((json, _, age)) => format!(
+            "{}\nread {:.1} s ago",
+            serde_json::to_string_pretty(&json).unwrap_or_default(),
+            age.as_secs_f64()
+        ),
+        Err(e) => format!("observations unavailable: {e}"),
+    };
+    let mut m = serde_json::Map::new();
+    for (k, v) in [
+        ("state", state.to_owned()),
+        ("in_flight", format!("{} / {}", s.in_flight, s.capacity)),
+        (
+            "claims",
+            format!(
+                "{} ({} empty, {} full)",
+                s.claim_calls, s.claims_empty, s.claims_full
+            ),
+        ),
+        (
+            "last_claim",
+            s.last_claim_at.map_or_else(|| "never".into(), format_time),
+        ),
+        (
+            "attempts",
+            format!("{} ({} failed)", s.attempts_completed, s.attempts_failed),
+        ),
+        ("timers", format!("{} / {}", s.timers_armed, s.timers_fired)),
+        ("overdue", s.overdue_suppressed.to_string()),
+        ("poison", s.poisoned.clone().unwrap_or_else(|| "-".into())),
+        ("observed", observed),
+    ] {
+        m.insert(k.into(), S(v));
+    }
+    m
+}
+
+/// The live fields of the families page, in column order.
+const LIVE_FIELDS: [&str; 9] = [
+    "state",
+    "in_flight",
+    "claims",
+    "last_claim",
+    "attempts",
+    "timers",
+    "overdue",
+    "poison",
+    "observed",
+];
+
 async fn families(State(admin): State<Admin>) -> Response {
     let mut rows = Vec::new();
     for f in admin.families.iter() {
-        let s = f.handle.snapshot();
-        let observed = f.observed.get(&f.store).await;
+        let name = f.declaration.family();
+        let figures = family_figures(f).await;
+        let text = |k: &str| {
+            figures
+                .get(k)
+                .and_then(|v| v.as_str())
+                .unwrap_or_default()
+                .to_owned()
+        };
         rows.push(html! {
             tr {
-                td { (f.declaration.family()) }
+                td { (name) }
                 td { (f.declaration.to_string()) }
-                td { @if s.poisoned.is_some() { span.bad { "poisoned" } } @else if s.ready { "ready" } @else { "not ready" } }
-                td { (s.in_flight) " / " (s.capacity) }
-                td { (s.claim_calls) " (" (s.claims_empty) " empty, " (s.claims_full) " full)" }
-                td { (s.attempts_completed) " (" (s.attempts_failed) " failed)" }
-                td { (s.timers_armed) " / " (s.timers_fired) }
-                td { (s.overdue_suppressed) }
-                td { @if let Some(p) = &s.poisoned { span.bad { (p) } } @else { "-" } }
                 td {
-                    @match &observed {
-                        Ok((json, _, age)) => {
-                            pre { (serde_json::to_string_pretty(json).unwrap_or_default()) }
-                            "read " (format!("{:.1}", age.as_secs_f64())) " s ago"
+                    ul { @for p in proof_of(name) { li { (p) } } }
+                }
+                @for k in LIVE_FIELDS {
+                    @let v = text(k);
+                    @let bad = (k == "state" || k == "poison") && v != "-" && v != "ready" && v != "not ready";
+                    td {
+                        @if k == "observed" {
+                            pre data-live={ (name) ":" (k) } { (v) }
+                        } @else if bad {
+                            span.bad data-live={ (name) ":" (k) } { (v) }
+                        } @else {
+                            span data-live={ (name) ":" (k) } { (v) }
                         }
-                        Err(e) => span.bad { (e) },
                     }
                 }
             }
         });
     }
-    page(
-        &admin.console,
+    page_with(
         "Families",
         html! {
-            table {
+            table #families {
                 tr {
-                    th { "family" } th { "declaration" } th { "state" } th { "in flight / capacity" }
-                    th { "claims" } th { "attempts completed" } th { "timers armed / fired" }
+                    th { "family" } th { "declaration" } th { "proof" } th { "state" }
+                    th { "in flight / capacity" } th { "claims" } th { "last claim (UTC)" }
+                    th { "attempts completed" } th { "timers armed / fired" }
                     th { "overdue suppressed" } th { "poison reason" } th { "queue observations" }
                 }
                 @for r in &rows { (r) }
             }
         },
+        Refresh::Live,
+        notice(&admin.console),
     )
+}
+
+/// How often `/console/events` sends the families' figures.
+const EVENT_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Server-sent events: every [`EVENT_EVERY`], one `families` event whose data is a JSON object
+/// `{family: {field: text}}` of the families page's live cells. Queue observations come from
+/// the shared cache ([`OBSERVATION_TTL`](crate::admin::OBSERVATION_TTL)), so an open page
+/// costs the database at most one bounded reading per family per TTL, however many watch.
+async fn family_events(State(admin): State<Admin>) -> Response {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    let stream = futures_util::stream::unfold((admin, true), |(admin, first)| async move {
+        if !first {
+            tokio::time::sleep(EVENT_EVERY).await;
+        }
+        let mut all = serde_json::Map::new();
+        for f in admin.families.iter() {
+            all.insert(
+                f.declaration.family().to_owned(),
+                serde_json::Value::Object(family_figures(f).await),
+            );
+        }
+        let event = Event::default()
+            .event("families")
+            .data(serde_json::Value::Object(all).to_string());
+        Some((Ok::<_, std::convert::Infallible>(event), (admin, false)))
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// The console's one script, vendored here (no CDN): it listens to `/console/events` and sets
+/// the text (never the HTML) of each `data-live` cell. Without it the page reloads itself.
+const LIVE_JS: &str = r#"(function () {
+  "use strict";
+  var status = document.getElementById("live");
+  if (!window.EventSource) { if (status) { status.textContent = "unsupported: reload the page"; } return; }
+  var source = new EventSource("/console/events");
+  source.addEventListener("families", function (e) {
+    var all = JSON.parse(e.data);
+    Object.keys(all).forEach(function (family) {
+      Object.keys(all[family]).forEach(function (field) {
+        var cell = document.querySelector('[data-live="' + family + ":" + field + '"]');
+        if (cell) { cell.textContent = all[family][field]; }
+      });
+    });
+    if (status) { status.textContent = "updated " + new Date().toISOString(); }
+  });
+  source.onerror = function () { if (status) { status.textContent = "disconnected, retrying…"; } };
+})();
+"#;
+
+async fn live_script() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        LIVE_JS,
+    )
+        .into_response()
 }
 
 /// Links to `path` filtered by each of `states`, and unfiltered.
@@ -230,7 +428,14 @@ fn find(admin: &Admin, pick: impl Fn(&Store) -> bool) -> Option<&Store> {
     admin.families.iter().map(|f| &f.store).find(|s| pick(s))
 }
 
-async fn bulk_jobs(State(admin): State<Admin>, Query(filter): Query<StateFilter>) -> Response {
+/// `/console/bulk`'s filters: `?state=` and `?age=` (submitted within, e.g. `1h`, `7d`).
+#[derive(Debug, Deserialize)]
+struct BulkFilter {
+    state: Option<String>,
+    age: Option<String>,
+}
+
+async fn bulk_jobs(State(admin): State<Admin>, Query(filter): Query<BulkFilter>) -> Response {
     let Some(Store::Bulk(bulk)) = find(&admin, |s| matches!(s, Store::Bulk(_))) else {
         return page(
             &admin.console,
@@ -238,15 +443,29 @@ async fn bulk_jobs(State(admin): State<Admin>, Query(filter): Query<StateFilter>
             html! { p { "Bulk does not run in this process." } },
         );
     };
+    let age = match filter.age.as_deref().filter(|a| !a.is_empty()) {
+        None => None,
+        Some(a) => match nexuscrm_flow::spec::parse_duration(a) {
+            Ok(d) => Some((a.to_owned(), d)),
+            Err(e) => return refused(&admin, StatusCode::BAD_REQUEST, &format!("age: {e}")),
+        },
+    };
     let jobs = match bulk.list(LIST_LIMIT).await {
         Ok(jobs) => jobs,
         Err(e) => return store_error(&admin.console, "the jobs", e),
     };
     let state = filter.state.filter(|s| !s.is_empty());
+    let now = std::time::SystemTime::now();
     let shown: Vec<_> = jobs
         .iter()
         .filter(|j| state.as_deref().is_none_or(|s| j.state == s))
+        .filter(|j| {
+            age.as_ref()
+                .is_none_or(|(_, max)| now.duration_since(j.created_at).unwrap_or_default() <= *max)
+        })
         .collect();
+    let keep_age = age.as_ref().map(|(a, _)| a.clone()).unwrap_or_default();
+    let keep_state = state.clone().unwrap_or_default();
     page(
         &admin.console,
         "Bulk jobs",
@@ -254,21 +473,36 @@ async fn bulk_jobs(State(admin): State<Admin>, Query(filter): Query<StateFilter>
             p {
                 "The newest " (LIST_LIMIT) " jobs"
                 @if let Some(s) = &state { ", state " code { (s) } }
-                ": " (shown.len()) " shown. "
-                (filter_links("/console/bulk", &["pending", "running", "succeeded", "poisoned"]))
+                @if let Some((a, _)) = &age { ", submitted within " code { (a) } }
+                ": " (shown.len()) " shown."
             }
-            table {
+            p {
+                "State: "
+                @for st in ["pending", "running", "succeeded", "poisoned"] {
+                    a href={ "/console/bulk?state=" (st) "&age=" (keep_age) } { (st) } " "
+                }
+                a href={ "/console/bulk?age=" (keep_age) } { "any" }
+                " · Submitted within: "
+                @for a in ["1h", "1d", "7d"] {
+                    a href={ "/console/bulk?state=" (keep_state) "&age=" (a) } { (a) } " "
+                }
+                a href={ "/console/bulk?state=" (keep_state) } { "any time" }
+            }
+            table #jobs {
                 tr {
-                    th { "id" } th { "idempotency key" } th { "state" } th { "rows applied / total" }
-                    th { "rejected" } th { "attempts" } th { "last error" }
+                    th { "id" } th { "idempotency key" } th { "state" } th { "submitted (UTC)" }
+                    th { "progress" } th { "rows applied / total" } th { "rejected" }
+                    th { "attempts" } th { "last error" }
                 }
                 @for j in &shown {
-                    tr {
-                        td { (j.id.0) }
+                    tr data-job=(j.id.0) {
+                        td { a href={ "/console/bulk/" (j.id.0) } { (j.id.0) } }
                         td { (j.idempotency_key) }
-                        td { @if j.state == "poisoned" { span.bad { (j.state) } } @else { (j.state) } }
-                        td { (j.applied_rows) " / " (j.total_rows) }
-                        td { (j.rejected_rows) }
+                        td.state { @if j.state == "poisoned" { span.bad { (j.state) } } @else { (j.state) } }
+                        td { (format_time(j.created_at)) }
+                        td { (progress(j)) }
+                        td.applied { (j.applied_rows) " / " (j.total_rows) }
+                        td.rejected { (j.rejected_rows) }
                         td { (j.attempts) " of " (j.max_attempts) }
                         td { @if let Some(e) = &j.last_error { span.bad { (e) } } @else { "-" } }
                     }
@@ -278,8 +512,77 @@ async fn bulk_jobs(State(admin): State<Admin>, Query(filter): Query<StateFilter>
     )
 }
 
+/// A job's progress: rows done (applied or rejected) of its rows, as a bar and a percentage.
+fn progress(j: &nexuscrm_bulk::JobStatus) -> Markup {
+    let done = j.applied_rows + j.rejected_rows;
+    let pct = if j.total_rows > 0 {
+        done * 100 / j.total_rows
+    } else {
+        100
+    };
+    html! { progress value=(done) max=(j.total_rows.max(1)) {} " " (pct) "%" }
+}
+
+/// One job: its progress, its rejected rows with their reasons, its last error.
+async fn bulk_job(State(admin): State<Admin>, Path(id): Path<i64>) -> Response {
+    let Some(Store::Bulk(bulk)) = find(&admin, |s| matches!(s, Store::Bulk(_))) else {
+        return refused(
+            &admin,
+            StatusCode::NOT_FOUND,
+            "Bulk does not run in this process",
+        );
+    };
+    let job = nexuscrm_bulk::JobId(id);
+    let j = match bulk.status(job).await {
+        Ok(Some(j)) => j,
+        Ok(None) => return refused(&admin, StatusCode::NOT_FOUND, &format!("no job {id}")),
+        Err(e) => return store_error(&admin.console, "the job", e),
+    };
+    let errors = match bulk.row_errors(job, LIST_LIMIT).await {
+        Ok(e) => e,
+        Err(e) => return store_error(&admin.console, "the rejected rows", e),
+    };
+    page(
+        &admin.console,
+        &format!("Bulk job {id}"),
+        html! {
+            table {
+                tr { th { "idempotency key" } td { (j.idempotency_key) } }
+                tr { th { "state" } td #state { @if j.state == "poisoned" { span.bad { (j.state) } } @else { (j.state) } } }
+                tr { th { "submitted (UTC)" } td { (format_time(j.created_at)) } }
+                tr { th { "progress" } td { (progress(&j)) } }
+                tr { th { "rows applied / total" } td #applied { (j.applied_rows) " / " (j.total_rows) } }
+                tr { th { "rows rejected" } td #rejected { (j.rejected_rows) } }
+                tr { th { "attempts" } td { (j.attempts) " of " (j.max_attempts) " (" (j.stalled_claims) " stalled in a row)" } }
+                tr { th { "last error" } td { @if let Some(e) = &j.last_error { span.bad { (e) } } @else { "-" } } }
+            }
+            @if j.state == "poisoned" {
+                p { "A poisoned job runs again only when a person says so: "
+                    code { "nexuscrm-runtime-worker bulk retry " (id) } }
+            }
+            h2 { "Rejected rows" }
+            @if errors.is_empty() {
+                p { "None." }
+            } @else {
+                p {
+                    "Rows that failed row-level validation (the job goes on without them)"
+                    @if (errors.len() as i64) < j.rejected_rows {
+                        "; the first " (errors.len()) " of " (j.rejected_rows) " shown"
+                    }
+                    "."
+                }
+                table #row-errors {
+                    tr { th { "row (0-based)" } th { "reason" } }
+                    @for e in &errors { tr { td { (e.ordinal) } td { (e.message) } } }
+                }
+            }
+            p { a href="/console/bulk" { "All jobs" } }
+        },
+    )
+}
+
 async fn schedules(State(admin): State<Admin>) -> Response {
-    let Some(Store::Flow(flow)) = find(&admin, |s| matches!(s, Store::Flow(_))) else {
+    let Some(flow) = flow_store(&admin) else {
         return page(
             &admin.console,
             "Schedules",
@@ -294,27 +597,212 @@ async fn schedules(State(admin): State<Admin>) -> Response {
         &admin.console,
         "Schedules",
         html! {
-            table {
+            p { (list.len()) " schedule(s). Open one for its recent runs"
+                @if admin.console.enabled() { " and to pause or resume it" } "." }
+            table #schedules {
                 tr {
-                    th { "id" } th { "name" } th { "flow" } th { "state" } th { "spec" }
+                    th { "id" } th { "name" } th { "flow" } th { "state" } th { "spec (zone)" }
                     th { "misfire policy" } th { "next occurrence (UTC)" } th { "last occurrence" } th { "runs" }
                 }
                 @for s in &list {
-                    tr {
+                    tr data-schedule=(s.id.0) {
                         td { (s.id.0) }
-                        td { (s.name) }
+                        td { a href={ "/console/schedules/" (s.id.0) } { (s.name) } }
                         td { (s.flow) }
-                        td { (s.state) }
+                        td.state { (s.state) }
                         td { (s.spec.to_string()) }
                         td { (s.policy.to_string()) }
                         td { (s.next_occurrence_at.map_or_else(|| "never".into(), format_time)) }
                         td { (s.last_occurrence_at.map_or_else(|| "-".into(), format_time)) }
-                        td { (s.runs) }
+                        td.runs { (s.runs) }
                     }
                 }
             }
         },
     )
+}
+
+/// The flow store of this process, if Scheduled Flow runs here.
+fn flow_store(admin: &Admin) -> Option<&nexuscrm_flow::Flow> {
+    match find(admin, |s| matches!(s, Store::Flow(_))) {
+        Some(Store::Flow(flow)) => Some(flow),
+        _ => None,
+    }
+}
+
+/// The most recent runs a schedule's page lists.
+const RECENT_RUNS: i64 = 20;
+
+/// One schedule: its spec, policy, cursor, recent runs and (with a secret) pause or resume.
+async fn schedule_page(State(admin): State<Admin>, Path(id): Path<i64>) -> Response {
+    let Some(flow) = flow_store(&admin) else {
+        return refused(
+            &admin,
+            StatusCode::NOT_FOUND,
+            "Scheduled Flow does not run in this process",
+        );
+    };
+    let sid = nexuscrm_flow::ScheduleId(id);
+    let s = match flow.schedule(sid).await {
+        Ok(Some(s)) => s,
+        Ok(None) => return refused(&admin, StatusCode::NOT_FOUND, &format!("no schedule {id}")),
+        Err(e) => return store_error(&admin.console, "the schedule", e),
+    };
+    let runs = match flow.runs(Some(sid), RECENT_RUNS).await {
+        Ok(r) => r,
+        Err(e) => return store_error(&admin.console, "the runs", e),
+    };
+    let action = if s.enabled() { "pause" } else { "resume" };
+    let csrf = admin.console.csrf(&format!("schedule:{id}:{action}"));
+    page_with(
+        &format!("Schedule {}", s.name),
+        html! {
+            table {
+                tr { th { "id" } td { (id) } }
+                tr { th { "flow" } td { (s.flow) } }
+                tr { th { "state" } td #state { (s.state) } }
+                tr { th { "spec (zone)" } td { (s.spec.to_string()) } }
+                tr { th { "misfire policy" } td { (s.policy.to_string()) } }
+                tr { th { "next occurrence (UTC)" } td { (s.next_occurrence_at.map_or_else(|| "never".into(), format_time)) } }
+                tr { th { "last occurrence" } td { (s.last_occurrence_at.map_or_else(|| "-".into(), format_time)) } }
+                tr { th { "runs" } td { (s.runs) } }
+            }
+            @if admin.console.enabled() {
+                form method="post" action={ "/console/schedules/" (id) "/" (action) } {
+                    input type="hidden" name="csrf" value=(csrf);
+                    p {
+                        @if action == "pause" { "Pause: no run is reserved until it is resumed. " }
+                        @else { "Resume: occurrences missed while paused follow the misfire policy. " }
+                        label { "Console secret " input type="password" name="secret" autocomplete="off"; }
+                        " " button type="submit" { "Confirm: " (action) " this schedule" }
+                    }
+                }
+            } @else {
+                p { code { "nexuscrm-runtime-worker schedule " (action) " " (s.name) } }
+            }
+            h2 { "Recent runs" }
+            @if runs.is_empty() { p { "None yet." } } @else {
+                table #runs {
+                    tr { th { "run" } th { "occurrence (UTC)" } th { "reserved (UTC)" } th { "schedule version" } }
+                    @for r in &runs {
+                        tr { td { (r.id) } td { (format_time(r.occurrence_at)) } td { (format_time(r.reserved_at)) } td { (r.schedule_version) } }
+                    }
+                }
+            }
+            p { a href="/console/schedules" { "All schedules" } }
+        },
+        Refresh::Off,
+        notice(&admin.console),
+    )
+}
+
+/// A POSTed action's fields: its CSRF token and the console secret.
+#[derive(Deserialize)]
+struct ActionForm {
+    csrf: Option<String>,
+    secret: Option<String>,
+}
+
+impl std::fmt::Debug for ActionForm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ActionForm").finish_non_exhaustive()
+    }
+}
+
+/// The checks every action passes first, in this order: the console allows actions (403),
+/// the CSRF token is this process's for `subject` (403), the secret matches (401); the
+/// refusal, or `None` when allowed.
+fn authorize(
+    admin: &Admin,
+    subject: &str,
+    csrf: Option<&str>,
+    secret: Option<&str>,
+) -> Option<Response> {
+    let Some(want) = admin.console.secret.as_ref() else {
+        return Some(refused(
+            admin,
+            StatusCode::FORBIDDEN,
+            "read-only console: no console_secret is configured",
+        ));
+    };
+    if !csrf.is_some_and(|t| admin.console.csrf_matches(subject, t)) {
+        return Some(refused(
+            admin,
+            StatusCode::FORBIDDEN,
+            "the form's CSRF token is missing or not this console's: open the page again",
+        ));
+    }
+    if !secret.is_some_and(|s| want.matches(s.as_bytes())) {
+        tracing::warn!(
+            subject,
+            "console: an action was refused: wrong or missing secret"
+        );
+        return Some(refused(
+            admin,
+            StatusCode::UNAUTHORIZED,
+            "the console secret is wrong or missing",
+        ));
+    }
+    None
+}
+
+/// `POST /console/schedules/{id}/pause|resume`, authorized by [`authorize`].
+async fn schedule_action(
+    State(admin): State<Admin>,
+    Path((id, action)): Path<(i64, String)>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    if action != "pause" && action != "resume" {
+        return refused(
+            &admin,
+            StatusCode::NOT_FOUND,
+            "the action is pause or resume",
+        );
+    }
+    if let Some(r) = authorize(
+        &admin,
+        &format!("schedule:{id}:{action}"),
+        form.csrf.as_deref(),
+        form.secret.as_deref(),
+    ) {
+        return r;
+    }
+    let Some(flow) = flow_store(&admin) else {
+        return refused(
+            &admin,
+            StatusCode::NOT_FOUND,
+            "Scheduled Flow does not run in this process",
+        );
+    };
+    let sid = nexuscrm_flow::ScheduleId(id);
+    let done = if action == "pause" {
+        flow.pause(sid).await
+    } else {
+        flow.resume(sid).await
+    };
+    match done {
+        Ok(s) => {
+            tracing::info!(schedule = id, action = %action, state = %s.state, "console: schedule changed");
+            page(
+                &admin.console,
+                &format!("Schedule {} {}d", s.name, action),
+                html! {
+                    p { "Schedule " (s.name) " is now " b #state { (s.state) } " (by console)." }
+                    p { a href={ "/console/schedules/" (id) } { "Back to the schedule" } }
+                },
+            )
+        }
+        Err(e) => {
+            use nexuscrm_flow::FlowErrorKind as K;
+            let status = match e.kind() {
+                K::NotFound => StatusCode::NOT_FOUND,
+                K::Conflict => StatusCode::CONFLICT,
+                K::Invalid => StatusCode::BAD_REQUEST,
+                _ => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            refused(&admin, status, &e.to_string())
+        }
+    }
 }
 
 async fn paused(State(admin): State<Admin>, Query(filter): Query<StateFilter>) -> Response {
@@ -444,7 +932,7 @@ async fn resolve_page(State(admin): State<Admin>, Path(id): Path<i64>) -> Respon
                 p { "Only an uncertain pause can be resolved." }
             }
         },
-        false,
+        Refresh::Off,
         notice(&admin.console),
     )
 }
@@ -473,38 +961,13 @@ async fn resolve_action(
     Path(id): Path<i64>,
     Form(form): Form<ResolveForm>,
 ) -> Response {
-    let Some(secret) = admin.console.secret.clone() else {
-        return refused(
-            &admin,
-            StatusCode::FORBIDDEN,
-            "read-only console: no console_secret is configured",
-        );
-    };
-    if !form
-        .csrf
-        .as_deref()
-        .is_some_and(|t| admin.console.csrf_matches(&format!("resolve:{id}"), t))
-    {
-        return refused(
-            &admin,
-            StatusCode::FORBIDDEN,
-            "the form's CSRF token is missing or not this console's: open the resolve page again",
-        );
-    }
-    if !form
-        .secret
-        .as_deref()
-        .is_some_and(|s| secret.matches(s.as_bytes()))
-    {
-        tracing::warn!(
-            pause = id,
-            "console: a resolve was refused: wrong or missing secret"
-        );
-        return refused(
-            &admin,
-            StatusCode::UNAUTHORIZED,
-            "the console secret is wrong or missing",
-        );
+    if let Some(r) = authorize(
+        &admin,
+        &format!("resolve:{id}"),
+        form.csrf.as_deref(),
+        form.secret.as_deref(),
+    ) {
+        return r;
     }
     let resolution = match form.decision.as_deref() {
         Some("applied") => nexuscrm_paused::Resolution::Applied,
@@ -820,6 +1283,271 @@ mod tests {
         let (status, again) = post(&router, &path, &form).await;
         assert_eq!(status, StatusCode::CONFLICT, "{again}");
         assert_eq!(state().await, "completed");
+        t.drop_database().await;
+    }
+
+    #[test]
+    fn every_proof_the_families_page_names_exists() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        for family in ["bulk", "flow", "paused"] {
+            let proofs = proof_of(family);
+            assert!(!proofs.is_empty(), "{family} has no proof listed");
+            for p in proofs {
+                let file = p.split(':').next().unwrap();
+                assert!(root.join(file).is_file(), "{family}: {file} does not exist");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn the_families_page_updates_live_from_server_sent_events() {
+        use futures_util::StreamExt as _;
+        let t = TestDb::create(Dialect::Sqlite, "console_live")
+            .await
+            .expect("SQLite is always here");
+        let bulk = Bulk::open(t.db.clone(), 1, BulkOptions::default())
+            .await
+            .unwrap();
+        let ctl = Controller::new(bulk.source(), Config::new("bulk")).unwrap();
+        let router = crate::admin::router(Admin {
+            families: Arc::new(vec![Family {
+                declaration: nexuscrm_bulk::DECLARATION,
+                handle: ctl.handle(),
+                store: Store::Bulk(bulk.clone()),
+                observed: ObservationCache::default(),
+            }]),
+            database: Arc::new(DatabaseCheck::new(t.db.clone())),
+            resume: None,
+            console: Actions::new(None),
+        });
+        let (_, page) = get(&router, "/console").await;
+        assert!(page.contains("crates/bulk/tests/crash_matrix.rs"), "{page}");
+        assert!(page.contains(r#"data-live="bulk:in_flight""#), "{page}");
+        assert!(
+            page.contains(r#"<script src="/console/live.js" defer>"#),
+            "{page}"
+        );
+        assert!(
+            page.contains("<noscript><meta http-equiv=\"refresh\""),
+            "{page}"
+        );
+        let (status, js) = get(&router, "/console/live.js").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(js.contains("new EventSource(\"/console/events\")"));
+        assert!(
+            js.contains("textContent") && !js.contains("innerHTML"),
+            "text, never HTML"
+        );
+
+        let resp = router
+            .clone()
+            .oneshot(
+                Request::get("/console/events")
+                    .header(header::HOST, "127.0.0.1")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            resp.headers()[header::CONTENT_TYPE],
+            "text/event-stream",
+            "server-sent events"
+        );
+        let mut body = resp.into_body().into_data_stream();
+        let first = body.next().await.unwrap().unwrap();
+        let first = String::from_utf8_lossy(&first).into_owned();
+        let data = first
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap_or_else(|| panic!("no data line in {first:?}"));
+        assert!(first.starts_with("event: families"), "{first}");
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert_eq!(v["bulk"]["in_flight"], "0 / 4", "{v}");
+        assert_eq!(v["bulk"]["state"], "not ready", "{v}");
+        assert_eq!(v["bulk"]["last_claim"], "never", "{v}");
+        for k in LIVE_FIELDS {
+            assert!(v["bulk"][k].is_string(), "{k} missing in {v}");
+            assert!(
+                page.contains(&format!(r#"data-live="bulk:{k}""#)),
+                "{k} has no cell"
+            );
+        }
+        drop(body);
+        t.drop_database().await;
+    }
+
+    #[tokio::test]
+    async fn a_job_page_shows_its_progress_and_rejected_rows_and_the_list_filters_by_age() {
+        let t = TestDb::create(Dialect::Sqlite, "console_job")
+            .await
+            .expect("SQLite is always here");
+        let bulk = Bulk::open(t.db.clone(), 1, BulkOptions::default())
+            .await
+            .unwrap();
+        let mut bad = serde_json::Map::new();
+        bad.insert("email".into(), serde_json::json!("<b>not-an-email</b>"));
+        let job = bulk
+            .submit(NewJob::new(
+                "with-a-bad-row",
+                vec![
+                    RowInput::new("a", serde_json::Map::new()),
+                    RowInput::new("b", bad),
+                ],
+            ))
+            .await
+            .unwrap()
+            .job;
+        bulk.take_ownership("console-test").await.unwrap();
+        let ctl = Controller::new(bulk.source(), Config::new("bulk")).unwrap();
+        let handle = ctl.handle();
+        bulk.set_waker(ctl.waker());
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let run = tokio::spawn(ctl.run(cancel.clone()));
+        for _ in 0..200 {
+            if bulk.status(job).await.unwrap().unwrap().is_terminal() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        cancel.cancel();
+        run.await.unwrap().unwrap();
+        let router = crate::admin::router(Admin {
+            families: Arc::new(vec![Family {
+                declaration: nexuscrm_bulk::DECLARATION,
+                handle,
+                store: Store::Bulk(bulk.clone()),
+                observed: ObservationCache::default(),
+            }]),
+            database: Arc::new(DatabaseCheck::new(t.db.clone())),
+            resume: None,
+            console: Actions::new(None),
+        });
+        let (status, page) = get(&router, &format!("/console/bulk/{job}")).await;
+        assert_eq!(status, StatusCode::OK, "{page}");
+        assert!(page.contains("succeeded"), "{page}");
+        assert!(page.contains(r#"<progress value="2" max="2">"#), "{page}");
+        assert!(page.contains("1 / 2"), "applied / total: {page}");
+        // The rejected row, with its reason, escaped.
+        assert!(page.contains("<td>1</td><td>"), "row 1 rejected: {page}");
+        assert!(page.contains("invalid email"), "{page}");
+        assert!(!page.contains("<b>not-an-email"), "escaped: {page}");
+        assert_eq!(
+            get(&router, "/console/bulk/999").await.0,
+            StatusCode::NOT_FOUND
+        );
+        let (_, recent) = get(&router, "/console/bulk?age=1h").await;
+        assert!(recent.contains("1 shown"), "{recent}");
+        let (_, both) = get(&router, "/console/bulk?state=succeeded&age=1d").await;
+        assert!(both.contains("1 shown"), "{both}");
+        // Backdated by two hours: no longer within the last hour.
+        nexuscrm_persistence::sqlx::query("UPDATE bulk_job SET created_at = created_at - 7200000")
+            .execute(t.db.pool())
+            .await
+            .unwrap();
+        let (_, old) = get(&router, "/console/bulk?age=1h").await;
+        assert!(old.contains("0 shown"), "{old}");
+        let (status, bad_age) = get(&router, "/console/bulk?age=soon").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad_age}");
+        assert!(bad_age.contains("invalid duration"), "{bad_age}");
+        t.drop_database().await;
+    }
+
+    #[tokio::test]
+    async fn a_schedule_is_paused_and_resumed_from_its_page_only_with_secret_and_csrf() {
+        use nexuscrm_flow::{Flow, FlowOptions, MisfirePolicy, NewSchedule, Spec};
+        let t = TestDb::create(Dialect::Sqlite, "console_schedule")
+            .await
+            .expect("SQLite is always here");
+        let flow = Flow::open(t.db.clone(), 1, FlowOptions::default())
+            .await
+            .unwrap();
+        let id = flow
+            .create(NewSchedule::new(
+                "nightly <report>",
+                "report",
+                Spec::cron("0 3 * * *", "Europe/Paris"),
+                MisfirePolicy::Skip,
+            ))
+            .await
+            .unwrap()
+            .id;
+        let ctl = Controller::new(flow.source(), Config::new("flow")).unwrap();
+        let admin = |console: Actions| {
+            crate::admin::router(Admin {
+                families: Arc::new(vec![Family {
+                    declaration: nexuscrm_flow::DECLARATION,
+                    handle: ctl.handle(),
+                    store: Store::Flow(flow.clone()),
+                    observed: ObservationCache::default(),
+                }]),
+                database: Arc::new(DatabaseCheck::new(t.db.clone())),
+                resume: None,
+                console,
+            })
+        };
+        let state = || async { flow.schedule(id).await.unwrap().unwrap().state };
+        let page_path = format!("/console/schedules/{}", id.0);
+        let pause = format!("/console/schedules/{}/pause", id.0);
+
+        let read_only = admin(Actions::new(None));
+        let (status, page) = get(&read_only, &page_path).await;
+        assert_eq!(status, StatusCode::OK, "{page}");
+        assert!(page.contains("nightly &lt;report&gt;"), "{page}");
+        assert!(page.contains("Europe/Paris"), "the zone: {page}");
+        assert!(page.contains("None yet."), "no runs: {page}");
+        assert!(!page.contains("<form"), "read-only: {page}");
+        let (status, _) = post(&read_only, &pause, &format!("secret={SECRET}")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        assert_eq!(state().await, "active");
+
+        let console = Actions::new(Some(crate::resume::Secret::new(SECRET)));
+        let router = admin(console.clone());
+        let (_, page) = get(&router, &page_path).await;
+        let csrf = console.csrf(&format!("schedule:{}:pause", id.0));
+        assert!(page.contains(&csrf) && page.contains(&pause), "{page}");
+        // The resume token does not authorize a pause, nor a wrong secret.
+        let resume_token = console.csrf(&format!("schedule:{}:resume", id.0));
+        for (form, want) in [
+            (
+                format!("csrf={resume_token}&secret={SECRET}"),
+                StatusCode::FORBIDDEN,
+            ),
+            (
+                format!("csrf={csrf}&secret=wrong"),
+                StatusCode::UNAUTHORIZED,
+            ),
+            (format!("csrf={csrf}"), StatusCode::UNAUTHORIZED),
+        ] {
+            assert_eq!(post(&router, &pause, &form).await.0, want, "{form}");
+            assert_eq!(state().await, "active");
+        }
+        let (status, done) = post(&router, &pause, &format!("csrf={csrf}&secret={SECRET}")).await;
+        assert_eq!(status, StatusCode::OK, "{done}");
+        assert_eq!(state().await, "paused");
+        // Now the page offers resume, with its own token.
+        let (_, page) = get(&router, &page_path).await;
+        assert!(page.contains(&resume_token), "{page}");
+        let resume = format!("/console/schedules/{}/resume", id.0);
+        let (status, _) = post(
+            &router,
+            &resume,
+            &format!("csrf={resume_token}&secret={SECRET}"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(state().await, "active");
+        let (status, _) = post(
+            &router,
+            "/console/schedules/1/delete",
+            &format!("csrf={csrf}&secret={SECRET}"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "only pause and resume");
+        assert_eq!(
+            get(&router, "/console/schedules/999").await.0,
+            StatusCode::NOT_FOUND
+        );
         t.drop_database().await;
     }
 }

@@ -937,6 +937,7 @@ impl<S: Source> Run<S> {
             .attempts_claimed
             .fetch_add(attempts.len() as u64, Relaxed);
         self.counters().claim_batch.record(attempts.len() as u64);
+        self.counters().claimed_now();
         if attempts.is_empty() {
             bump(&self.counters().claims_empty);
         } else if attempts.len() == free.get() {

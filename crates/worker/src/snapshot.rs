@@ -331,6 +331,9 @@ pub struct Snapshot {
     pub generation_losses: u64,
     /// Why the controller was poisoned, once it is. A poisoned controller never runs again.
     pub poisoned: Option<String>,
+    /// When the last claim returned (wall clock), `None` before the first: an operator's "is it
+    /// claiming at all" (the idle controller's last claim may be long ago, by design).
+    pub last_claim_at: Option<std::time::SystemTime>,
 }
 
 #[derive(Debug, Default)]
@@ -371,6 +374,8 @@ pub(crate) struct Counters {
     pub(crate) generation_spurious: AtomicU64,
     pub(crate) generation_losses: AtomicU64,
     pub(crate) poisoned: OnceLock<String>,
+    /// Wall-clock milliseconds since the Unix epoch of the last claim's return; 0 before one.
+    pub(crate) last_claim_ms: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -387,6 +392,14 @@ impl Counters {
         let ns = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
         self.claim_latency_sum_ns.fetch_add(ns, Relaxed);
         self.claim_latency_max_ns.fetch_max(ns, Relaxed);
+    }
+
+    /// Records that a claim returned now (wall clock).
+    pub(crate) fn claimed_now(&self) {
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        self.last_claim_ms.store(ms.max(1), Relaxed);
     }
 
     pub(crate) fn reconcile(&self, cause: ReconcileCause) {
@@ -444,6 +457,10 @@ impl Counters {
             generation_spurious: l(&self.generation_spurious),
             generation_losses: l(&self.generation_losses),
             poisoned: self.poisoned.get().cloned(),
+            last_claim_at: match l(&self.last_claim_ms) {
+                0 => None,
+                ms => Some(std::time::UNIX_EPOCH + Duration::from_millis(ms)),
+            },
         }
     }
 }

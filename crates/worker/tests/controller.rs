@@ -842,12 +842,20 @@ async fn the_snapshot_reports_claim_batch_sizes_and_latency() {
         Step::ok(ClaimPlan::done(vec![AttemptPlan::ok(Duration::ZERO)]))
             .after(Duration::from_millis(600)),
     );
+    let before_any = std::time::SystemTime::now();
     let r = start(&src);
+    assert_eq!(r.handle.snapshot().last_claim_at, None, "no claim yet");
     sleep(SEC).await;
     r.handle.waker().wake();
     sleep(2 * SEC).await;
     settle().await;
     let snap = r.handle.snapshot();
+    // The wall clock of the last claim's return (the paused tokio clock does not move it).
+    let last = snap.last_claim_at.expect("claimed");
+    assert!(
+        last + Duration::from_millis(1) >= before_any && last <= std::time::SystemTime::now(),
+        "{last:?}"
+    );
     assert_eq!(src.claim_capacities(), vec![4, 4, 4]);
     assert_eq!(snap.claim_calls, 3);
     assert_eq!(snap.claim_capacity_asked, 12);

@@ -77,10 +77,12 @@ SELECT MIN(run_at) FROM bulk_job WHERE state = 'pending' AND run_at <= ?
 -- name: generation
 SELECT MAX(id), (SELECT MAX(generation) FROM runtime_work_fence WHERE family = 'bulk'), (SELECT COALESCE(SUM(seq), 0) FROM runtime_work_signal WHERE family = 'bulk') FROM bulk_job
 -- name: job_status
-SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims
+SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims, created_at
 FROM bulk_job WHERE id = ?
 -- name: job_list
-SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims
+SELECT id, idempotency_key, state, attempts, max_attempts, cursor_ordinal, total_rows, applied_rows, rejected_rows, COALESCE(last_error, ''), run_at, stalled_claims, created_at
 FROM bulk_job ORDER BY id DESC LIMIT ?
 -- name: eligible_count
 SELECT COUNT(*) FROM (SELECT 1 FROM bulk_job WHERE state = 'pending' AND run_at <= ? LIMIT ?) t
+-- name: row_errors
+SELECT ordinal, message FROM bulk_row_error WHERE job_id = ? ORDER BY ordinal LIMIT ?
