@@ -73,6 +73,10 @@ struct Cli {
     /// The longest a baseline drain runs; its rate is measured over what it finished.
     #[arg(long, default_value_t = 20)]
     baseline_cap_secs: u64,
+    /// Claims a controller may have in flight at once (`Config::claims_in_flight`); the
+    /// default is the Runtime Worker's.
+    #[arg(long, default_value_t = DEFAULT_CLAIMS_IN_FLIGHT)]
+    claims_in_flight: usize,
     /// Scheduled occurrences in the due scenario.
     #[arg(long, default_value_t = 40)]
     due_items: usize,
@@ -102,7 +106,12 @@ pub(crate) struct Plan {
     pub(crate) baseline_cap: Duration,
     pub(crate) due_items: usize,
     pub(crate) explain_rows: Vec<usize>,
+    /// The controllers' `claims_in_flight`.
+    pub(crate) claims_in_flight: std::num::NonZeroUsize,
 }
+
+/// The Runtime Worker's `claims_in_flight` for every family.
+const DEFAULT_CLAIMS_IN_FLIGHT: usize = 1;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -136,6 +145,9 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
         baseline_cap: Duration::from_secs(cli.baseline_cap_secs.max(1)),
         due_items: cli.due_items.max(1),
         explain_rows: cli.explain_rows.clone(),
+        claims_in_flight: std::num::NonZeroUsize::new(cli.claims_in_flight)
+            .filter(|n| n.get() <= 4)
+            .ok_or("--claims-in-flight must be 1 to 4 (at most the smallest capacity)")?,
     };
     if cli.smoke {
         plan.idle = Duration::from_secs(3);

@@ -233,10 +233,13 @@ impl Report {
              for Flow and the tiny jobs, as the controllers), each claiming one item through \
              the same `Source::claim` and running the same attempt, claiming again at once \
              while claims return work, and sleeping {} ms only after an empty claim. \
+             Controllers: the Runtime Worker's settings, {} claim(s) in flight at once \
+             (`claims_in_flight`; `--claims-in-flight` sets it). \
              Utility statements (BEGIN, COMMIT) count as statements.\n",
             self.cores,
             self.postgres,
-            p.poll.as_millis()
+            p.poll.as_millis(),
+            p.claims_in_flight
         );
         out.push_str("## Summary\n\n");
         out.push_str(&self.summary());
@@ -460,6 +463,7 @@ impl Report {
         v["command"] = json!(self.command);
         v["workload"] = json!({
             "poll_ms": self.plan.poll.as_millis() as u64,
+            "claims_in_flight": self.plan.claims_in_flight.get(),
             "idle_secs": self.plan.idle.as_secs_f64(),
             "drain_rows": self.plan.drain_rows,
             "tiny_jobs": self.plan.tiny_jobs,

@@ -97,7 +97,8 @@ async fn replica(
                         source,
                         Config::new(name)
                             .capacity(NonZeroUsize::new(capacity).expect("> 0"))
-                            .claim_cooldown(cooldown),
+                            .claim_cooldown(cooldown)
+                            .claims_in_flight(plan.claims_in_flight),
                     )?;
                     ($set_waker)(ctl.waker());
                     let handle = ctl.handle();

@@ -26,6 +26,7 @@ pub struct Config {
     pub(crate) shutdown_timeout: Duration,
     pub(crate) generation_retry: Duration,
     pub(crate) claim_cooldown: Duration,
+    pub(crate) claims_in_flight: NonZeroUsize,
     pub(crate) clock: Arc<dyn Clock>,
 }
 
@@ -39,6 +40,7 @@ impl fmt::Debug for Config {
             .field("shutdown_timeout", &self.shutdown_timeout)
             .field("generation_retry", &self.generation_retry)
             .field("claim_cooldown", &self.claim_cooldown)
+            .field("claims_in_flight", &self.claims_in_flight)
             .field("clock", &self.clock)
             .finish()
     }
@@ -65,6 +67,7 @@ impl Config {
             shutdown_timeout: Duration::from_secs(30),
             generation_retry: Duration::from_secs(1),
             claim_cooldown: Duration::ZERO,
+            claims_in_flight: NonZeroUsize::MIN,
             clock: Arc::new(SystemClock),
         }
     }
@@ -128,6 +131,25 @@ impl Config {
         self
     }
 
+    /// How many claims may be in flight at once. By default 1: one claim turn at a time.
+    ///
+    /// With more, the controller keeps slots busy while a claim's round trip is under way:
+    /// as long as the latest claim answer asked for continuation (`more`) and no terminal
+    /// answer came since, a slot freed meanwhile is refilled by another claim without waiting
+    /// for the one in flight. Capacity is reserved, never exceeded: attempts in flight plus
+    /// the slots asked by outstanding claims are at most [`capacity`](Config::capacity), and a
+    /// claim that comes back short returns its unused slots. A terminal answer ends the
+    /// continuation at once (no new claim starts until a wake, a timer, a reconciliation or
+    /// another `more`), and only the answer of the last outstanding claim asks `next_work_at`,
+    /// so at the end of a burst at most `claims_in_flight - 1` claims come back empty, and an
+    /// empty queue is never polled. A wake, timer or reconciliation cause never starts a claim
+    /// beside one in flight. Reconciliation waits for outstanding claims. At most the capacity.
+    #[must_use]
+    pub fn claims_in_flight(mut self, claims: NonZeroUsize) -> Self {
+        self.claims_in_flight = claims;
+        self
+    }
+
     /// The wall clock used to convert `next_work_at` times into timers. By default the system
     /// clock; tests use a clock driven by tokio's paused time.
     #[must_use]
@@ -158,6 +180,12 @@ impl Config {
     #[must_use]
     pub fn get_clock(&self) -> &Arc<dyn Clock> {
         &self.clock
+    }
+
+    /// The configured number of claims that may be in flight at once.
+    #[must_use]
+    pub fn get_claims_in_flight(&self) -> NonZeroUsize {
+        self.claims_in_flight
     }
 
     /// The configured shutdown bound.
@@ -201,6 +229,15 @@ impl Config {
             return bad(
                 "claim_cooldown",
                 format!("{:?} is longer than 10 s", self.claim_cooldown),
+            );
+        }
+        if self.claims_in_flight > self.capacity {
+            return bad(
+                "claims_in_flight",
+                format!(
+                    "{} is more than the capacity {} (each claim asks for at least one slot)",
+                    self.claims_in_flight, self.capacity
+                ),
             );
         }
         if self.generation_retry.is_zero() || self.generation_retry > MAX_DURATION {

@@ -475,6 +475,9 @@ enum OpFailure {
     Abandoned,
 }
 
+/// A finished claim: the slots it reserved, when it was issued, and its answer.
+type ClaimDone<A> = (NonZeroUsize, Instant, Result<ClaimBatch<A>, SourceError>);
+
 /// The state of one `run`.
 struct Run<S: Source> {
     source: Arc<S>,
@@ -482,6 +485,13 @@ struct Run<S: Source> {
     shared: Arc<Shared>,
     stop: CancellationToken,
     attempts: JoinSet<Result<(), AttemptError>>,
+    /// Claims in flight, each answering with the slots it reserved and when it was issued.
+    claims: JoinSet<ClaimDone<S::Attempt>>,
+    /// Slots asked by the claims in flight: attempts plus these never exceed the capacity.
+    reserved: usize,
+    /// The latest claim answer asked for continuation (`more`) and no terminal answer came
+    /// since: the authority under which another claim may start beside one in flight.
+    continuation: bool,
     deadline: Option<Instant>,
     failure: Option<Failure>,
     reusable: Option<(RunErrorKind, &'static str, SourceError)>,
@@ -523,6 +533,9 @@ impl<S: Source> Run<S> {
             shared: c.shared.clone(),
             stop: cancel.child_token(),
             attempts: JoinSet::new(),
+            claims: JoinSet::new(),
+            reserved: 0,
+            continuation: false,
             deadline: None,
             failure: None,
             reusable: None,
@@ -762,11 +775,15 @@ impl<S: Source> Run<S> {
             if self.stop.is_cancelled() {
                 return;
             }
-            if let Some(cause) = self.take_reconcile_cause() {
+            // Everything but a continuation waits for the claims in flight: their answers
+            // decide what comes next (reconciliation before another claim turn, one
+            // `next_work_at` after the last terminal answer).
+            let idle = self.claims.is_empty();
+            if idle && let Some(cause) = self.take_reconcile_cause() {
                 self.reconcile(cause).await;
                 continue;
             }
-            if self.shared.wake_pending.swap(false, Relaxed) {
+            if idle && self.shared.wake_pending.swap(false, Relaxed) {
                 if self.claim_pending {
                     bump(&self.counters().wakes_coalesced);
                 } else {
@@ -774,7 +791,8 @@ impl<S: Source> Run<S> {
                 }
                 self.due_reclaim_pending = false;
             }
-            let free = self.config.capacity.get() - self.attempts.len();
+            let capacity = self.config.capacity.get();
+            let free = capacity.saturating_sub(self.attempts.len() + self.reserved);
             // While attempts run, a refill waits out the cooldown so freed slots batch up.
             let cooling = match self.claim_began {
                 Some(began)
@@ -785,13 +803,25 @@ impl<S: Source> Run<S> {
                 }
                 _ => None,
             };
-            if self.claim_pending && free > 0 && cooling.is_none() {
+            let wanted = if idle {
+                self.claim_pending
+            } else {
+                // Beside a claim in flight: only under a standing continuation, below the
+                // in-flight bound, with no reconciliation waiting, and for at least a fair share
+                // of the capacity (so pipelining does not become a claim per freed slot).
+                let share = capacity.div_ceil(self.config.claims_in_flight.get());
+                self.continuation
+                    && self.claims.len() < self.config.claims_in_flight.get()
+                    && !self.reconcile_wanted()
+                    && free >= share
+            };
+            if wanted && free > 0 && cooling.is_none() {
                 // A claim turn ends with a `next_work_at` read, which satisfies any retime.
                 self.shared.retime_pending.store(false, Relaxed);
-                self.claim(NonZeroUsize::new(free).expect("free > 0")).await;
+                self.launch_claim(NonZeroUsize::new(free).expect("free > 0"));
                 continue;
             }
-            if self.shared.retime_pending.swap(false, Relaxed) {
+            if idle && self.shared.retime_pending.swap(false, Relaxed) {
                 // A retime is a new fact from the domain: its answer may earn one re-claim.
                 self.claim_was_due_reclaim = false;
                 self.next_work_at().await;
@@ -799,10 +829,13 @@ impl<S: Source> Run<S> {
             }
             let timer = self.timer;
             let backstop = self.next_backstop;
-            let cooldown_end = cooling.filter(|_| self.claim_pending && free > 0);
+            let cooldown_end = cooling.filter(|_| wanted && free > 0);
             tokio::select! {
                 biased;
                 () = self.stop.cancelled() => return,
+                Some(done) = self.claims.join_next(), if !idle => {
+                    self.on_claim_done(done).await;
+                }
                 () = sleep_until(cooldown_end.unwrap_or_else(Instant::now)), if cooldown_end.is_some() => {}
                 Some(done) = self.attempts.join_next(), if !self.attempts.is_empty() => {
                     self.on_attempt_done(done);
@@ -813,7 +846,7 @@ impl<S: Source> Run<S> {
                     }
                 }
                 () = self.shared.signal.notified() => {}
-                () = sleep_until(timer.unwrap_or(backstop)), if timer.is_some() => {
+                () = sleep_until(timer.unwrap_or(backstop)), if idle && timer.is_some() => {
                     self.timer = None;
                     if self.timer_is_due {
                         self.fired_due = timer;
@@ -822,9 +855,17 @@ impl<S: Source> Run<S> {
                     self.claim_pending = true;
                     self.due_reclaim_pending = false;
                 }
-                () = sleep_until(backstop) => self.backstop_due = true,
+                () = sleep_until(backstop), if idle => self.backstop_due = true,
             }
         }
+    }
+
+    /// Whether a reconciliation is asked for (without taking the request).
+    fn reconcile_wanted(&self) -> bool {
+        self.backstop_due
+            || self.shared.reconcile_requested.load(Relaxed)
+            || self.shared.generation_changed.load(Relaxed)
+            || self.shared.generation_lost.load(Relaxed)
     }
 
     fn take_reconcile_cause(&mut self) -> Option<ReconcileCause> {
@@ -872,7 +913,8 @@ impl<S: Source> Run<S> {
         }
     }
 
-    async fn claim(&mut self, free: NonZeroUsize) {
+    /// Starts a claim for `free` slots, reserving them until it answers.
+    fn launch_claim(&mut self, free: NonZeroUsize) {
         // Wakes raised before this claim begins are satisfied by it (and make it more than a
         // due re-claim).
         let mut due_reclaim = std::mem::take(&mut self.due_reclaim_pending);
@@ -895,22 +937,32 @@ impl<S: Source> Run<S> {
                 .due_lateness
                 .record_duration(issued.saturating_duration_since(due));
         }
-        let result = self
-            .op(traced!(
-                async move { src.claim(free, token).await },
-                "claim",
-                family = %self.shared.name,
-                capacity = free.get()
-            ))
-            .await;
-        if result.is_ok() {
-            self.counters().claim_latency(issued.elapsed());
-        }
         self.claim_pending = false;
+        self.reserved += free.get();
+        let claim = traced!(
+            async move { src.claim(free, token).await },
+            "claim",
+            family = %self.shared.name,
+            capacity = free.get()
+        );
+        self.claims
+            .spawn(async move { (free, issued, claim.await) });
+    }
+
+    /// A claim answered: run its attempts; a `more` continues, a terminal answer ends the
+    /// continuation, and the last outstanding claim's terminal answer reads `next_work_at`.
+    async fn on_claim_done(&mut self, done: Result<ClaimDone<S::Attempt>, JoinError>) {
+        let (free, issued, result) = match done {
+            Ok(done) => done,
+            Err(e) => {
+                return self.fail_op("claim", OpFailure::Panicked(join_error_message(e)));
+            }
+        };
+        self.reserved = self.reserved.saturating_sub(free.get());
+        self.counters().claim_latency(issued.elapsed());
         let batch: ClaimBatch<S::Attempt> = match result {
-            Ok(Ok(batch)) => batch,
-            Ok(Err(e)) => return self.mutating_error("claim", e),
-            Err(f) => return self.fail_op("claim", f),
+            Ok(batch) => batch,
+            Err(e) => return self.mutating_error("claim", e),
         };
         let (attempts, more) = batch.into_parts();
         if attempts.len() > free.get() {
@@ -958,10 +1010,16 @@ impl<S: Source> Run<S> {
         }
         self.sync_in_flight();
         if more {
+            self.continuation = true;
             self.claim_pending = true;
             self.claim_was_due_reclaim = false;
-        } else if !self.stop.is_cancelled() {
-            self.next_work_at().await;
+        } else {
+            // The latest answer is terminal: it supersedes an earlier continuation.
+            self.continuation = false;
+            self.claim_pending = false;
+            if self.claims.is_empty() && !self.stop.is_cancelled() {
+                self.next_work_at().await;
+            }
         }
     }
 
@@ -1032,6 +1090,23 @@ impl<S: Source> Run<S> {
     async fn drain(&mut self) {
         self.begin_stop();
         let deadline = self.deadline.expect("begin_stop sets the deadline");
+        // Claims in flight answer first (never dropped mid-await): their attempts start with
+        // the cancelled token and release what they claimed.
+        while !self.claims.is_empty() {
+            tokio::select! {
+                biased;
+                Some(done) = self.claims.join_next() => self.on_claim_done(done).await,
+                Some(done) = self.attempts.join_next(), if !self.attempts.is_empty() => {
+                    self.on_attempt_done(done);
+                }
+                () = sleep_until(deadline) => {
+                    // Never abort a possibly-committing claim: leave it running and fail stop.
+                    self.claims.detach_all();
+                    self.reserved = 0;
+                    self.fail_op("claim", OpFailure::Abandoned);
+                }
+            }
+        }
         while !self.attempts.is_empty() {
             tokio::select! {
                 biased;
@@ -1087,6 +1162,7 @@ impl<S: Source> Drop for Run<S> {
         self.stop.cancel();
         self.abandoned = self.attempts.len();
         self.attempts.detach_all();
+        self.claims.detach_all();
         self.sync_in_flight();
         let _ = self.shared.counters.poisoned.set(format!(
             "the run future was dropped while running ({} attempt(s) left in flight)",

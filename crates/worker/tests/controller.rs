@@ -1224,3 +1224,147 @@ async fn the_snapshot_reports_batch_sizes_attempt_durations_and_due_lateness_his
     src.assert_snapshot_agrees(&snap);
     assert!(r.stop().await.is_ok());
 }
+
+/// The claims of the pipelining scenario: a claim of 4 whose attempts free two slots at 5 ms
+/// and two at 50 ms (so slots free while the second claim, 100 ms long, is in flight), then a
+/// short terminal claim with one attempt. The default claim after that is empty.
+fn pipelining_script(src: &ScriptedSource, on_cancel: OnCancel) {
+    src.check_capacity(4);
+    let ms = Duration::from_millis;
+    src.push_claim(
+        Step::ok(ClaimPlan::more(vec![
+            AttemptPlan::ok(ms(5)),
+            AttemptPlan::ok(ms(5)),
+            AttemptPlan::ok(ms(50)),
+            AttemptPlan::ok(ms(50)),
+        ]))
+        .after(ms(10)),
+    );
+    src.push_claim(
+        Step::ok(ClaimPlan::more(vec![
+            AttemptPlan::ok(ms(5)),
+            AttemptPlan::ok(ms(5)),
+        ]))
+        .after(ms(100))
+        .on_cancel(on_cancel),
+    );
+    src.push_claim(
+        Step::ok(ClaimPlan::done(vec![AttemptPlan::ok(ms(5))]))
+            .after(ms(10))
+            .on_cancel(on_cancel),
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_claims_in_flight_refill_freed_slots_under_a_standing_continuation_within_capacity() {
+    let ms = Duration::from_millis;
+    // One claim at a time (the default): the slots freed at 60 ms wait for the claim in flight.
+    let src = ScriptedSource::new();
+    pipelining_script(&src, OnCancel::Error);
+    let r = start(&src);
+    sleep(SEC).await;
+    settle().await;
+    assert_eq!(src.times(Op::Claim), vec![ms(0), ms(15), ms(115)]);
+    assert_eq!(src.claim_capacities(), vec![4, 2, 2]);
+    assert_calls!(src, claim = 3, next_work_at = 1);
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+
+    // Two in flight: at 60 ms the freed slots are refilled beside the claim in flight, under
+    // the continuation of the first claim's `more`. Its terminal answer (70 ms) ends the
+    // continuation but, another claim being in flight, reads no `next_work_at`: the slot its
+    // attempt frees at 75 ms is not refilled. The last claim's `more` (115 ms) continues; the
+    // empty terminal answer after it reads `next_work_at` once. Nothing ever exceeds capacity.
+    let src = ScriptedSource::new();
+    pipelining_script(&src, OnCancel::Error);
+    let r = start_with(&src, config(&src).claims_in_flight(nz(2)));
+    sleep(SEC).await;
+    settle().await;
+    assert_eq!(src.times(Op::Claim), vec![ms(0), ms(15), ms(60), ms(115)]);
+    assert_eq!(src.claim_capacities(), vec![4, 2, 2, 2]);
+    assert_calls!(src, claim = 4, next_work_at = 1);
+    assert_eq!(src.times(Op::NextWorkAt), vec![ms(115)]);
+    assert_eq!(src.over_capacity(), 0);
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.claims_empty, 1, "only the last claim came back empty");
+    src.assert_snapshot_agrees(&snap);
+    // Idle now: no claim without a new fact.
+    sleep(10 * SEC).await;
+    assert_calls!(src, claim = 4, next_work_at = 1);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_claims_in_flight_a_reconcile_request_waits_for_them_and_stops_the_refill() {
+    let ms = Duration::from_millis;
+    let src = ScriptedSource::new();
+    pipelining_script(&src, OnCancel::Error);
+    let r = start_with(&src, config(&src).claims_in_flight(nz(2)));
+    sleep(ms(20)).await;
+    r.handle.request_reconcile();
+    sleep(SEC).await;
+    settle().await;
+    // No claim beside the one in flight at 60 ms; the reconciliation runs when it answers
+    // (115 ms), before the next claim. That answer's `more` still stands after it, so the
+    // slots its attempts free at 120 ms are refilled beside the claim of 115 ms; the later
+    // of the two terminal answers (125 ms) reads `next_work_at`, once.
+    assert_eq!(src.times(Op::Claim), vec![ms(0), ms(15), ms(115), ms(120)]);
+    assert_eq!(src.times(Op::Reconcile), vec![ms(0), ms(115)]);
+    assert_eq!(src.times(Op::NextWorkAt), vec![ms(125)]);
+    let order: Vec<Op> = ops(&src)
+        .into_iter()
+        .filter(|o| *o != Op::GenerationChanged)
+        .collect();
+    assert_eq!(
+        &order[order.len() - 4..],
+        &[Op::Reconcile, Op::Claim, Op::Claim, Op::NextWorkAt],
+        "{order:?}"
+    );
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancellation_waits_for_every_claim_in_flight_and_their_attempts_then_drains_clean() {
+    let ms = Duration::from_millis;
+    let src = ScriptedSource::new();
+    // The claims finish their work although cancelled (as a store call committing would).
+    pipelining_script(&src, OnCancel::Ignore);
+    let r = start_with(&src, config(&src).claims_in_flight(nz(2)));
+    sleep(ms(65)).await;
+    // Two claims are in flight (since 15 and 60 ms): both are awaited, never dropped, and
+    // their attempts run with the cancelled token; no further claim and no `next_work_at`.
+    assert_eq!(src.times(Op::Claim), vec![ms(0), ms(15), ms(60)]);
+    let stopping = tokio::time::Instant::now();
+    let outcome = r.stop().await;
+    assert!(
+        stopping.elapsed() >= ms(50),
+        "waited for the claim answering at 115 ms: {:?}",
+        stopping.elapsed()
+    );
+    assert!(outcome.is_ok(), "{:?}", outcome.err());
+    assert_calls!(src, claim = 3, next_work_at = 0);
+    let snap = outcome.unwrap().handle().snapshot();
+    assert_eq!(snap.attempts_claimed, 4 + 2 + 1);
+    assert_eq!(snap.attempts_completed, 7);
+    assert_eq!(snap.in_flight, 0);
+    src.assert_snapshot_agrees(&snap);
+}
+
+#[test]
+fn claims_in_flight_above_the_capacity_is_refused() {
+    let e = Controller::new(
+        ScriptedSource::new(),
+        Config::new("x").capacity(nz(2)).claims_in_flight(nz(3)),
+    )
+    .unwrap_err();
+    assert_eq!(e.setting(), "claims_in_flight");
+    assert!(e.to_string().contains("more than the capacity 2"), "{e}");
+    assert!(
+        Controller::new(
+            ScriptedSource::new(),
+            Config::new("x").capacity(nz(2)).claims_in_flight(nz(2))
+        )
+        .is_ok()
+    );
+}
