@@ -60,6 +60,8 @@ pub(crate) struct Actions {
     secret: Option<crate::resume::Secret>,
     /// The per-process key the CSRF tokens are derived from.
     csrf_key: std::sync::Arc<[u8; 32]>,
+    /// Cancelled when the admin server stops: event streams end then.
+    stopping: tokio_util::sync::CancellationToken,
 }
 
 impl Actions {
@@ -68,7 +70,15 @@ impl Actions {
         Actions {
             secret,
             csrf_key: std::sync::Arc::new(random_key()),
+            stopping: tokio_util::sync::CancellationToken::new(),
         }
+    }
+
+    /// Ends the console's event streams when `stop` is cancelled (the admin server's stop), so
+    /// an open page never holds a stopping server for its connection grace period.
+    pub(crate) fn ending_with(mut self, stop: tokio_util::sync::CancellationToken) -> Self {
+        self.stopping = stop;
+        self
     }
 
     fn enabled(&self) -> bool {
@@ -354,6 +364,8 @@ const EVENT_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 /// costs the database at most one bounded reading per family per TTL, however many watch.
 async fn family_events(State(admin): State<Admin>) -> Response {
     use axum::response::sse::{Event, KeepAlive, Sse};
+    use futures_util::StreamExt as _;
+    let stopping = admin.console.stopping.clone().cancelled_owned();
     let stream = futures_util::stream::unfold((admin, true), |(admin, first)| async move {
         if !first {
             tokio::time::sleep(EVENT_EVERY).await;
@@ -369,7 +381,8 @@ async fn family_events(State(admin): State<Admin>) -> Response {
             .event("families")
             .data(serde_json::Value::Object(all).to_string());
         Some((Ok::<_, std::convert::Infallible>(event), (admin, false)))
-    });
+    })
+    .take_until(stopping);
     Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response()
@@ -1309,6 +1322,7 @@ mod tests {
             .await
             .unwrap();
         let ctl = Controller::new(bulk.source(), Config::new("bulk")).unwrap();
+        let stopping = tokio_util::sync::CancellationToken::new();
         let router = crate::admin::router(Admin {
             families: Arc::new(vec![Family {
                 declaration: nexuscrm_bulk::DECLARATION,
@@ -1318,7 +1332,7 @@ mod tests {
             }]),
             database: Arc::new(DatabaseCheck::new(t.db.clone())),
             resume: None,
-            console: Actions::new(None),
+            console: Actions::new(None).ending_with(stopping.clone()),
         });
         let (_, page) = get(&router, "/console").await;
         assert!(page.contains("crates/bulk/tests/crash_matrix.rs"), "{page}");
@@ -1373,7 +1387,16 @@ mod tests {
                 "{k} has no cell"
             );
         }
-        drop(body);
+        // The admin server stopping ends the stream (an open page never holds the shutdown).
+        stopping.cancel();
+        let rest = tokio::time::timeout(Duration::from_secs(10), async {
+            while body.next().await.is_some() {}
+        })
+        .await;
+        assert!(
+            rest.is_ok(),
+            "the event stream ended when the server stopped"
+        );
         t.drop_database().await;
     }
 

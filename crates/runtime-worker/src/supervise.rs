@@ -233,6 +233,8 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         None
     };
     let names: Vec<&str> = families.iter().map(|f| f.declaration.family()).collect();
+    // Stops the admin server, and ends the console's event streams so they do not hold it.
+    let admin_stop = CancellationToken::new();
     let admin_state = admin::Admin {
         families: Arc::new(families.clone()),
         database: Arc::new(admin::DatabaseCheck::new(bulk.db().clone())),
@@ -241,7 +243,8 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
             .resume_secret
             .clone()
             .map(|secret| crate::resume::ResumeEndpoint::new(paused.clone(), secret)),
-        console: crate::console::Actions::new(s.console_secret.clone()),
+        console: crate::console::Actions::new(s.console_secret.clone())
+            .ending_with(admin_stop.clone()),
     };
     if admin_state.resume.is_some() {
         tracing::info!(
@@ -258,7 +261,6 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         bulk.db().url(),
         s.generation
     );
-    let admin_stop = CancellationToken::new();
     let stop = admin_stop.clone();
     let limits = crate::http::Limits {
         allowed_hosts: s.admin_allowed_hosts.clone(),
