@@ -1057,6 +1057,30 @@ mod tests {
         (status, String::from_utf8_lossy(&bytes).into_owned())
     }
 
+    /// One family as the admin server sees it, observed through `store`.
+    fn family(
+        declaration: nexuscrm_worker::Declaration,
+        handle: nexuscrm_worker::ControllerHandle,
+        store: Store,
+    ) -> Family {
+        Family {
+            declaration,
+            handle,
+            store,
+            observed: ObservationCache::default(),
+        }
+    }
+
+    /// The admin router over `families` on `db` (no resume endpoint) with `console`'s powers.
+    fn router(db: &nexuscrm_persistence::Db, families: Vec<Family>, console: Actions) -> Router {
+        crate::admin::router(Admin {
+            families: Arc::new(families),
+            database: Arc::new(DatabaseCheck::new(db.clone())),
+            resume: None,
+            console,
+        })
+    }
+
     #[tokio::test]
     async fn every_page_shows_the_store_escapes_user_data_and_says_it_is_read_only() {
         let t = TestDb::create(Dialect::Sqlite, "console")
@@ -1087,25 +1111,18 @@ mod tests {
         let bulk_ctl = Controller::new(bulk.source(), Config::new("bulk")).unwrap();
         let paused_ctl = Controller::new(paused.source(), Config::new("paused")).unwrap();
         let families = vec![
-            Family {
-                declaration: nexuscrm_bulk::DECLARATION,
-                handle: bulk_ctl.handle(),
-                store: Store::Bulk(bulk.clone()),
-                observed: ObservationCache::default(),
-            },
-            Family {
-                declaration: nexuscrm_paused::DECLARATION,
-                handle: paused_ctl.handle(),
-                store: Store::Paused(paused.clone()),
-                observed: ObservationCache::default(),
-            },
+            family(
+                nexuscrm_bulk::DECLARATION,
+                bulk_ctl.handle(),
+                Store::Bulk(bulk.clone()),
+            ),
+            family(
+                nexuscrm_paused::DECLARATION,
+                paused_ctl.handle(),
+                Store::Paused(paused.clone()),
+            ),
         ];
-        let router = crate::admin::router(Admin {
-            families: Arc::new(families),
-            database: Arc::new(DatabaseCheck::new(t.db.clone())),
-            resume: None,
-            console: Actions::new(None),
-        });
+        let router = router(&t.db, families, Actions::new(None));
         for path in [
             "/console",
             "/console/bulk",
@@ -1194,17 +1211,12 @@ mod tests {
         .unwrap();
         let ctl = Controller::new(paused.source(), Config::new("paused")).unwrap();
         let admin = |console: Actions| {
-            crate::admin::router(Admin {
-                families: Arc::new(vec![Family {
-                    declaration: nexuscrm_paused::DECLARATION,
-                    handle: ctl.handle(),
-                    store: Store::Paused(paused.clone()),
-                    observed: ObservationCache::default(),
-                }]),
-                database: Arc::new(DatabaseCheck::new(t.db.clone())),
-                resume: None,
+            let paused = Store::Paused(paused.clone());
+            router(
+                &t.db,
+                vec![family(nexuscrm_paused::DECLARATION, ctl.handle(), paused)],
                 console,
-            })
+            )
         };
         let path = format!("/console/paused/{}/resolve", p.id);
         let state = || async { paused.status(p.id).await.unwrap().unwrap().state };
@@ -1323,17 +1335,16 @@ mod tests {
             .unwrap();
         let ctl = Controller::new(bulk.source(), Config::new("bulk")).unwrap();
         let stopping = tokio_util::sync::CancellationToken::new();
-        let router = crate::admin::router(Admin {
-            families: Arc::new(vec![Family {
-                declaration: nexuscrm_bulk::DECLARATION,
-                handle: ctl.handle(),
-                store: Store::Bulk(bulk.clone()),
-                observed: ObservationCache::default(),
-            }]),
-            database: Arc::new(DatabaseCheck::new(t.db.clone())),
-            resume: None,
-            console: Actions::new(None).ending_with(stopping.clone()),
-        });
+        let bulk_family = family(
+            nexuscrm_bulk::DECLARATION,
+            ctl.handle(),
+            Store::Bulk(bulk.clone()),
+        );
+        let router = router(
+            &t.db,
+            vec![bulk_family],
+            Actions::new(None).ending_with(stopping.clone()),
+        );
         let (_, page) = get(&router, "/console").await;
         assert!(page.contains("crates/bulk/tests/crash_matrix.rs"), "{page}");
         assert!(page.contains(r#"data-live="bulk:in_flight""#), "{page}");
@@ -1435,17 +1446,12 @@ mod tests {
         }
         cancel.cancel();
         run.await.unwrap().unwrap();
-        let router = crate::admin::router(Admin {
-            families: Arc::new(vec![Family {
-                declaration: nexuscrm_bulk::DECLARATION,
-                handle,
-                store: Store::Bulk(bulk.clone()),
-                observed: ObservationCache::default(),
-            }]),
-            database: Arc::new(DatabaseCheck::new(t.db.clone())),
-            resume: None,
-            console: Actions::new(None),
-        });
+        let bulk_family = family(
+            nexuscrm_bulk::DECLARATION,
+            handle,
+            Store::Bulk(bulk.clone()),
+        );
+        let router = router(&t.db, vec![bulk_family], Actions::new(None));
         let (status, page) = get(&router, &format!("/console/bulk/{job}")).await;
         assert_eq!(status, StatusCode::OK, "{page}");
         assert!(page.contains("succeeded"), "{page}");
@@ -1497,17 +1503,12 @@ mod tests {
             .id;
         let ctl = Controller::new(flow.source(), Config::new("flow")).unwrap();
         let admin = |console: Actions| {
-            crate::admin::router(Admin {
-                families: Arc::new(vec![Family {
-                    declaration: nexuscrm_flow::DECLARATION,
-                    handle: ctl.handle(),
-                    store: Store::Flow(flow.clone()),
-                    observed: ObservationCache::default(),
-                }]),
-                database: Arc::new(DatabaseCheck::new(t.db.clone())),
-                resume: None,
+            let flow = Store::Flow(flow.clone());
+            router(
+                &t.db,
+                vec![family(nexuscrm_flow::DECLARATION, ctl.handle(), flow)],
                 console,
-            })
+            )
         };
         let state = || async { flow.schedule(id).await.unwrap().unwrap().state };
         let page_path = format!("/console/schedules/{}", id.0);
