@@ -20,6 +20,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod records;
 mod source;
 mod store;
 

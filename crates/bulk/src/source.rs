@@ -562,6 +562,7 @@ impl BulkAttempt {
                 Ok(Segment::Progress { cursor: next, done }) => {
                     cursor = next;
                     progressed = true;
+                    self.bulk.records_changed().await;
                     faults.hit(CrashPoint::AfterEffect).map_err(crash)?;
                     if done {
                         faults.hit(CrashPoint::AfterDisposition).map_err(crash)?;

@@ -68,6 +68,7 @@ pub struct BulkConfig {
     pub(crate) backoff_max: Duration,
     pub(crate) generation_poll: Option<Duration>,
     pub(crate) listen: bool,
+    pub(crate) announce_records: bool,
 }
 
 impl Default for BulkConfig {
@@ -80,11 +81,24 @@ impl Default for BulkConfig {
             backoff_max: Duration::from_secs(300),
             generation_poll: Some(Duration::from_secs(5)),
             listen: true,
+            announce_records: false,
         }
     }
 }
 
 impl BulkConfig {
+    /// After every segment that committed, announce the record changes to other processes:
+    /// `NOTIFY nexuscrm_records` on PostgreSQL with LISTEN, otherwise a bump of the `records`
+    /// work signal (see [`records::RECORDS_CHANNEL`](crate::records::RECORDS_CHANNEL)). For a
+    /// derived family (the Formula View) in another process; one statement per segment, after
+    /// its commit. Watchers in this process are woken either way
+    /// ([`Bulk::watch_records`]). By default off.
+    #[must_use]
+    pub fn announce_records(mut self, on: bool) -> Self {
+        self.announce_records = on;
+        self
+    }
+
     /// How long a claim owns a job without a heartbeat. By default 30 seconds; heartbeats run
     /// between segments, so a segment must take well under this.
     #[must_use]
@@ -416,6 +430,8 @@ pub(crate) struct Inner {
     pub(crate) fence: Fence,
     pub(crate) waker: OnceLock<nexuscrm_worker::Waker>,
     pub(crate) probe: GenerationProbe,
+    pub(crate) records_probe: Option<GenerationProbe>,
+    pub(crate) record_watchers: std::sync::Mutex<Vec<nexuscrm_worker::Waker>>,
 }
 
 /// The PostgreSQL notification channel of the Bulk family.
@@ -494,9 +510,20 @@ impl Bulk {
             options.config.generation_poll,
         )
         .signal(FAMILY);
+        let records_probe = options.config.announce_records.then(|| {
+            GenerationProbe::new(
+                &db,
+                crate::records::RECORDS_CHANNEL,
+                options.config.listen,
+                options.config.generation_poll,
+            )
+            .signal(crate::records::RECORDS_SIGNAL)
+        });
         Bulk {
             inner: Arc::new(Inner {
                 probe,
+                records_probe,
+                record_watchers: std::sync::Mutex::new(Vec::new()),
                 db,
                 cfg: options.config,
                 clock: options.clock,
@@ -504,6 +531,33 @@ impl Bulk {
                 fence: Fence::new(FAMILY, generation),
                 waker: OnceLock::new(),
             }),
+        }
+    }
+
+    /// Wakes `waker` after every segment that commits record changes in this process (a
+    /// derived family's in-process hint; other processes see
+    /// [`BulkConfig::announce_records`]).
+    pub fn watch_records(&self, waker: nexuscrm_worker::Waker) {
+        self.inner
+            .record_watchers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(waker);
+    }
+
+    /// Tells watchers (and, when announcing, other processes) that a segment committed.
+    pub(crate) async fn records_changed(&self) {
+        let watchers = self
+            .inner
+            .record_watchers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        for w in &watchers {
+            w.wake();
+        }
+        if let Some(p) = &self.inner.records_probe {
+            p.notify(&self.inner.db).await;
         }
     }
 

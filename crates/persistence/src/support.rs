@@ -52,6 +52,23 @@ pub fn text(r: &sqlx::any::AnyRow, index: usize) -> Result<String, sqlx::Error> 
     }
 }
 
+/// Reads a nullable text column ([`text`], with SQL NULL as `None`).
+///
+/// # Errors
+///
+/// The column is missing or not UTF-8.
+pub fn optional_text(r: &sqlx::any::AnyRow, index: usize) -> Result<Option<String>, sqlx::Error> {
+    match r.try_get::<Option<String>, _>(index) {
+        Ok(s) => Ok(s),
+        Err(_) => {
+            let bytes: Option<Vec<u8>> = r.try_get(index)?;
+            bytes
+                .map(|b| String::from_utf8(b).map_err(|e| sqlx::Error::Decode(Box::new(e))))
+                .transpose()
+        }
+    }
+}
+
 /// Whether `e` is a unique-constraint violation, on any backend.
 #[must_use]
 pub fn is_unique_violation(e: &sqlx::Error) -> bool {

@@ -1,0 +1,118 @@
+//! The records domain's read path, for families that derive from canonical records (the
+//! Formula View): records by key in the caller's transaction, the change log after a cursor,
+//! and how a process learns that records changed (an in-process [`Waker`] per watcher and,
+//! across processes, [`RECORDS_CHANNEL`]).
+//!
+//! Derived families read canonical state only through these functions and never write it.
+
+use nexuscrm_persistence::Dialect;
+use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
+use nexuscrm_persistence::support::text;
+use serde_json::Value;
+
+use crate::store::queries;
+
+/// The PostgreSQL channel (and, where the probe polls, the work-signal name) on which Bulk
+/// announces committed record changes when [`BulkConfig::announce_records`](crate::BulkConfig::announce_records)
+/// is on.
+pub const RECORDS_CHANNEL: &str = "nexuscrm_records";
+
+/// The work-signal name a polled probe sums to see announced record changes.
+pub const RECORDS_SIGNAL: &str = "records";
+
+/// Keys per `IN (...)` read (within every dialect's bind limit).
+const KEYS_PER_STATEMENT: usize = 500;
+
+/// A canonical record as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    /// Its key.
+    pub key: String,
+    /// Its revision: 1 when first written, one more per applied change.
+    pub revision: i64,
+    /// Its fields (a JSON object).
+    pub data: Value,
+}
+
+/// The records among `keys` that exist, in the caller's transaction (a key that does not
+/// exist is absent from the answer).
+///
+/// # Errors
+///
+/// A statement's error, or a record whose data is not JSON.
+pub async fn read(
+    c: &mut AnyConnection,
+    dialect: Dialect,
+    keys: &[String],
+) -> Result<Vec<Record>, sqlx::Error> {
+    let q = queries(dialect);
+    let mut out = Vec::with_capacity(keys.len());
+    for group in keys.chunks(KEYS_PER_STATEMENT) {
+        let sql = format!(
+            "{} ({})",
+            q.get("records_read_prefix"),
+            placeholders(dialect, group.len())
+        );
+        let mut query = sqlx::query(&sql);
+        for k in group {
+            query = query.bind(k.as_str());
+        }
+        for row in query.fetch_all(&mut *c).await? {
+            let data = text(&row, 2)?;
+            out.push(Record {
+                key: text(&row, 0)?,
+                revision: row.try_get(1)?,
+                data: serde_json::from_str(&data).map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Up to `limit` change-log entries after `after` (by id), as `(id, record key)`.
+///
+/// # Errors
+///
+/// The statement's error.
+pub async fn changes_after(
+    c: &mut AnyConnection,
+    dialect: Dialect,
+    after: i64,
+    limit: i64,
+) -> Result<Vec<(i64, String)>, sqlx::Error> {
+    let rows = sqlx::query(queries(dialect).get("changes_after"))
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&mut *c)
+        .await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get(0)?, text(r, 1)?)))
+        .collect()
+}
+
+/// The newest change-log id (0 when the log is empty).
+///
+/// # Errors
+///
+/// The statement's error.
+pub async fn last_change(c: &mut AnyConnection, dialect: Dialect) -> Result<i64, sqlx::Error> {
+    let v: Option<i64> = sqlx::query(queries(dialect).get("change_max"))
+        .fetch_one(&mut *c)
+        .await?
+        .try_get(0)?;
+    Ok(v.unwrap_or(0))
+}
+
+/// `n` bind placeholders, comma-separated.
+fn placeholders(dialect: Dialect, n: usize) -> String {
+    (1..=n)
+        .map(|i| {
+            if dialect == Dialect::Postgres {
+                format!("${i}")
+            } else {
+                "?".to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
