@@ -20,7 +20,8 @@
 
 #![forbid(unsafe_code)]
 
-pub mod records;
+/// The records domain's read path (re-exported: Bulk writes the records it reads).
+pub use nexuscrm_records as records;
 mod source;
 mod store;
 

@@ -11,7 +11,7 @@
 //!   error, the source revision and definition version it came from) and `formula_rollup` (per
 //!   account, the sum of open opportunity amounts, maintained incrementally).
 //! - Work discovery: a cursor over the records domain's change log, woken in process by
-//!   [`Bulk::watch_records`](nexuscrm_bulk::Bulk::watch_records) and across processes by
+//!   `Bulk::watch_records` (in `nexuscrm-bulk`) and across processes by
 //!   Bulk's record announcements; a definition change marks records stale by epoch. The
 //!   controller's [`FormulaSource`] claims bounded batches of due records.
 //! - Convergence: [`FormulaSource`]'s reconciliation sweeps canonical state and the view in
@@ -381,11 +381,11 @@ impl Formula {
     pub fn without_migrations(db: Db, options: FormulaOptions) -> Formula {
         let probe = GenerationProbe::new(
             &db,
-            nexuscrm_bulk::records::RECORDS_CHANNEL,
+            nexuscrm_records::RECORDS_CHANNEL,
             options.listen,
             options.generation_poll,
         )
-        .signal(nexuscrm_bulk::records::RECORDS_SIGNAL);
+        .signal(nexuscrm_records::RECORDS_SIGNAL);
         Formula {
             inner: Arc::new(Inner {
                 reconcile_db: options.reconcile_db.unwrap_or_else(|| db.clone()),
@@ -439,7 +439,7 @@ impl Formula {
     }
 
     /// The controller's waker: defines and drops wake it (record changes do through
-    /// [`Bulk::watch_records`](nexuscrm_bulk::Bulk::watch_records)).
+    /// `Bulk::watch_records` (in `nexuscrm-bulk`)).
     pub fn set_waker(&self, waker: nexuscrm_worker::Waker) {
         let _ = self.inner.waker.set(waker);
     }
@@ -781,7 +781,7 @@ impl Formula {
 #[must_use]
 pub fn recompute(
     definitions: &[Definition],
-    records: &[nexuscrm_bulk::records::Record],
+    records: &[nexuscrm_records::Record],
 ) -> (Vec<(String, DerivedValue)>, Vec<Rollup>) {
     let programs: Vec<(&Definition, Result<cel::Program, String>)> = definitions
         .iter()

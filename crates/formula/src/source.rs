@@ -6,10 +6,10 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use nexuscrm_bulk::records;
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
 use nexuscrm_persistence::support::{new_token, optional_text, retrying, text, to_ms};
 use nexuscrm_persistence::{Dialect, Queries, WriteError, family};
+use nexuscrm_records as records;
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
 use tokio_util::sync::CancellationToken;

@@ -2,7 +2,9 @@
 //!
 //! - `nexuscrm-worker` depends on `tokio` and `tokio-util` only (plus the optional, off by
 //!   default `tracing` feature);
-//! - no family crate depends on another family crate, and persistence depends on none;
+//! - no family crate depends on another family crate; a family that derives from another's
+//!   records depends on the records domain (`nexuscrm-records`), which depends on persistence
+//!   only; persistence depends on no family or domain;
 //! - production code (controller, persistence, families, the process) never depends on the
 //!   conformance kit outside `[dev-dependencies]`;
 //! - every workspace member is classified here, so a new crate must say what it is.
@@ -17,6 +19,9 @@ enum Role {
     Controller,
     Kit,
     Persistence,
+    /// A canonical domain's read path (the records Bulk writes), which families may depend
+    /// on instead of on the family that writes it; it depends on persistence only.
+    Domain,
     Family,
     Process,
     /// A measurement tool run by hand and in CI, never deployed (it reuses the kit's counting
@@ -29,7 +34,8 @@ fn role(name: &str) -> Option<Role> {
         "nexuscrm-worker" => Role::Controller,
         "nexuscrm-worker-test" => Role::Kit,
         "nexuscrm-persistence" => Role::Persistence,
-        "nexuscrm-bulk" | "nexuscrm-flow" | "nexuscrm-paused" => Role::Family,
+        "nexuscrm-records" => Role::Domain,
+        "nexuscrm-bulk" | "nexuscrm-flow" | "nexuscrm-paused" | "nexuscrm-formula" => Role::Family,
         "nexuscrm-runtime-worker" => Role::Process,
         "nexuscrm-evidence" | "nexuscrm-chaos" => Role::Tool,
         _ => return None,
@@ -73,12 +79,15 @@ fn violations(metadata: &Value) -> Vec<String> {
             if me == Role::Family && theirs == Some(Role::Family) {
                 out.push(format!("family {name} depends on family {dep}"));
             }
-            if me == Role::Persistence && theirs == Some(Role::Family) {
-                out.push(format!("persistence depends on family {dep}"));
+            if me == Role::Persistence && matches!(theirs, Some(Role::Family | Role::Domain)) {
+                out.push(format!("persistence depends on {dep}"));
+            }
+            if me == Role::Domain && matches!(theirs, Some(Role::Family | Role::Domain)) {
+                out.push(format!("domain {name} depends on {dep}"));
             }
             let production = matches!(
                 me,
-                Role::Controller | Role::Persistence | Role::Family | Role::Process
+                Role::Controller | Role::Persistence | Role::Domain | Role::Family | Role::Process
             );
             if production && theirs == Some(Role::Kit) {
                 out.push(format!(
@@ -162,7 +171,19 @@ fn each_kind_of_boundary_break_is_caught() {
         ),
         (
             package("nexuscrm-persistence", &[("nexuscrm-flow", None, false)]),
-            "persistence depends on family",
+            "persistence depends on nexuscrm-flow",
+        ),
+        (
+            package("nexuscrm-formula", &[("nexuscrm-bulk", None, false)]),
+            "family nexuscrm-formula depends on family nexuscrm-bulk",
+        ),
+        (
+            package("nexuscrm-records", &[("nexuscrm-bulk", None, false)]),
+            "domain nexuscrm-records depends on nexuscrm-bulk",
+        ),
+        (
+            package("nexuscrm-persistence", &[("nexuscrm-records", None, false)]),
+            "persistence depends on nexuscrm-records",
         ),
         (
             package(
@@ -181,7 +202,13 @@ fn each_kind_of_boundary_break_is_caught() {
         (package("nexuscrm-newfamily", &[]), "is not classified"),
     ];
     for (pkg, want) in cases {
-        let names = ["nexuscrm-bulk", "nexuscrm-flow", "nexuscrm-worker-test"];
+        let names = [
+            "nexuscrm-bulk",
+            "nexuscrm-flow",
+            "nexuscrm-formula",
+            "nexuscrm-records",
+            "nexuscrm-worker-test",
+        ];
         let mut packages: Vec<Value> = names
             .iter()
             .filter(|n| **n != pkg["name"])
@@ -194,7 +221,8 @@ fn each_kind_of_boundary_break_is_caught() {
             "{pkg}: want {want:?}, got {v:?}"
         );
     }
-    // Allowed: the optional tracing feature, and the kit as a dev-dependency.
+    // Allowed: the optional tracing feature, the kit as a dev-dependency, and a family that
+    // reads the records domain (and uses the family that writes it only in its tests).
     let ok = [
         package(
             "nexuscrm-worker",
@@ -209,6 +237,15 @@ fn each_kind_of_boundary_break_is_caught() {
             &[("nexuscrm-worker-test", Some("dev"), false)],
         ),
         package("nexuscrm-worker-test", &[]),
+        package(
+            "nexuscrm-formula",
+            &[
+                ("nexuscrm-records", None, false),
+                ("nexuscrm-bulk", Some("dev"), false),
+            ],
+        ),
+        package("nexuscrm-records", &[("nexuscrm-persistence", None, false)]),
+        package("nexuscrm-persistence", &[]),
     ];
     assert_eq!(
         violations(&serde_json::json!({ "packages": ok })),

@@ -86,12 +86,3 @@ FROM bulk_job ORDER BY id DESC LIMIT ?
 SELECT COUNT(*) FROM (SELECT 1 FROM bulk_job WHERE state = 'pending' AND run_at <= ? LIMIT ?) t
 -- name: row_errors
 SELECT ordinal, message FROM bulk_row_error WHERE job_id = ? ORDER BY ordinal LIMIT ?
-
--- The records domain's read path, for derived families (Formula View): records by key, and the
--- change log after a cursor (indexed by its primary key).
--- name: records_read_prefix
-SELECT record_key, revision, data FROM crm_record WHERE record_key IN
--- name: changes_after
-SELECT id, record_key FROM crm_record_change WHERE id > ? ORDER BY id LIMIT ?
--- name: change_max
-SELECT MAX(id) FROM crm_record_change

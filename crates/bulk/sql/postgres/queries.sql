@@ -86,12 +86,3 @@ FROM bulk_job ORDER BY id DESC LIMIT $1
 SELECT COUNT(*) FROM (SELECT 1 FROM bulk_job WHERE state = 'pending' AND run_at <= $1 LIMIT $2) t
 -- name: row_errors
 SELECT ordinal, message FROM bulk_row_error WHERE job_id = $1 ORDER BY ordinal LIMIT $2
-
--- The records domain's read path, for derived families (Formula View): records by key, and the
--- change log after a cursor (indexed by its primary key).
--- name: records_read_prefix
-SELECT record_key, revision, data FROM crm_record WHERE record_key IN
--- name: changes_after
-SELECT id, record_key FROM crm_record_change WHERE id > $1 ORDER BY id LIMIT $2
--- name: change_max
-SELECT MAX(id) FROM crm_record_change

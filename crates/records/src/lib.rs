@@ -4,17 +4,33 @@
 //! across processes, [`RECORDS_CHANNEL`]).
 //!
 //! Derived families read canonical state only through these functions and never write it.
+//! The records are written by the Bulk family (its migrations own `crm_record` and
+//! `crm_record_change`); this crate exists so that a derived family depends on the records
+//! domain, not on another family (the architecture boundary in
+//! `crates/runtime-worker/tests/architecture.rs`).
 
-use nexuscrm_persistence::Dialect;
+use std::sync::OnceLock;
+
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
 use nexuscrm_persistence::support::text;
+use nexuscrm_persistence::{Dialect, DialectQueries, Queries};
 use serde_json::Value;
 
-use crate::store::queries;
+/// This crate's named statements per dialect.
+fn queries(dialect: Dialect) -> &'static Queries {
+    static Q: OnceLock<DialectQueries> = OnceLock::new();
+    Q.get_or_init(|| {
+        DialectQueries::new(
+            include_str!("../sql/sqlite/queries.sql"),
+            include_str!("../sql/postgres/queries.sql"),
+            include_str!("../sql/mysql/queries.sql"),
+        )
+    })
+    .for_dialect(dialect)
+}
 
 /// The PostgreSQL channel (and, where the probe polls, the work-signal name) on which Bulk
-/// announces committed record changes when [`BulkConfig::announce_records`](crate::BulkConfig::announce_records)
-/// is on.
+/// announces committed record changes when its `BulkConfig::announce_records` is on.
 pub const RECORDS_CHANNEL: &str = "nexuscrm_records";
 
 /// The work-signal name a polled probe sums to see announced record changes.
