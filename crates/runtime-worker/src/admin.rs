@@ -74,6 +74,7 @@ pub(crate) enum Store {
     Bulk(Bulk),
     Flow(Flow),
     Paused(nexuscrm_paused::PausedFlow),
+    Formula(nexuscrm_formula::Formula),
 }
 
 impl Store {
@@ -159,6 +160,28 @@ impl Store {
                     o.oldest_uncertain_age.map_or(0.0, |d| d.as_secs_f64()),
                 ));
                 Ok((Value::Object(json), g))
+            }
+            Store::Formula(formula) => {
+                let o = formula.observations().await.map_err(|e| e.to_string())?;
+                let json = json!({
+                    "pending": o.stale, "stale": o.stale,
+                    "oldest_stale_age_ms": o.oldest_stale_age.map(|d| d.as_millis() as u64),
+                    "records_with_errors": o.records_with_errors, "count_cap": o.count_cap,
+                });
+                let g: Gauges = vec![
+                    ("nexuscrm_formula_stale_records", None, o.stale as f64),
+                    (
+                        "nexuscrm_formula_oldest_stale_age_seconds",
+                        None,
+                        o.oldest_stale_age.map_or(0.0, |d| d.as_secs_f64()),
+                    ),
+                    (
+                        "nexuscrm_formula_records_with_errors",
+                        None,
+                        o.records_with_errors as f64,
+                    ),
+                ];
+                Ok((json, g))
             }
         }
     }

@@ -29,6 +29,24 @@ pub(crate) struct RawConfig {
     pub(crate) bulk: Option<RawBulk>,
     pub(crate) flow: Option<RawFlow>,
     pub(crate) paused: Option<RawPaused>,
+    pub(crate) formula: Option<RawFormula>,
+}
+
+/// The `[formula]` table (Formula View).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawFormula {
+    pub(crate) enabled: Option<bool>,
+    pub(crate) capacity: Option<usize>,
+    pub(crate) reconcile_interval_secs: Option<u64>,
+    pub(crate) lease_secs: Option<f64>,
+    pub(crate) keys_per_attempt: Option<usize>,
+    pub(crate) sweep_chunk: Option<usize>,
+    pub(crate) sweep_chunks_per_turn: Option<usize>,
+    /// Connections of the reconciliation pool (its own, beside the business pool).
+    pub(crate) reconcile_connections: Option<u32>,
+    pub(crate) listen: Option<bool>,
+    pub(crate) generation_poll_secs: Option<u64>,
 }
 
 /// The `[paused]` table (Paused Flow). The family runs only with a `connector_url`.
@@ -106,6 +124,22 @@ pub(crate) struct Settings {
     pub(crate) bulk: BulkSettings,
     pub(crate) flow: FlowSettings,
     pub(crate) paused: PausedSettings,
+    pub(crate) formula: FormulaSettings,
+}
+
+/// Validated `[formula]` settings.
+#[derive(Debug, Clone)]
+pub(crate) struct FormulaSettings {
+    pub(crate) enabled: bool,
+    pub(crate) capacity: usize,
+    pub(crate) reconcile_interval: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) keys_per_attempt: usize,
+    pub(crate) sweep_chunk: usize,
+    pub(crate) sweep_chunks_per_turn: usize,
+    pub(crate) reconcile_connections: u32,
+    pub(crate) listen: bool,
+    pub(crate) generation_poll: Duration,
 }
 
 /// Validated `[paused]` settings.
@@ -150,6 +184,39 @@ pub(crate) struct BulkSettings {
 
 pub(crate) fn bad(key: &str, why: impl std::fmt::Display) -> String {
     format!("config key `{key}`: {why}")
+}
+
+/// `value` when it lies in `lo..=hi`, else the error naming `key` and the range.
+fn within<T: PartialOrd + std::fmt::Display + Copy>(
+    key: &str,
+    value: T,
+    lo: T,
+    hi: T,
+) -> Result<T, String> {
+    if (lo..=hi).contains(&value) {
+        Ok(value)
+    } else {
+        Err(bad(key, format!("{value} must be {lo} to {hi}")))
+    }
+}
+
+/// A backstop interval in whole seconds: at least 1, so it never becomes a poll.
+fn backstop(key: &str, secs: u64) -> Result<Duration, String> {
+    if secs == 0 {
+        return Err(bad(
+            key,
+            "must be at least 1 (the backstop must not become a poll)",
+        ));
+    }
+    Ok(Duration::from_secs(secs))
+}
+
+/// A generation-probe interval in whole seconds: at least 1.
+fn poll_interval(key: &str, secs: u64) -> Result<Duration, String> {
+    if secs == 0 {
+        return Err(bad(key, "must be at least 1"));
+    }
+    Ok(Duration::from_secs(secs))
 }
 
 impl RawConfig {
@@ -229,6 +296,25 @@ impl RawConfig {
             );
             self.paused = Some(p);
         }
+        if let Some(ox) = other.formula {
+            let mut x = self.formula.take().unwrap_or_default();
+            macro_rules! takex {
+                ($($f:ident),*) => { $( if ox.$f.is_some() { x.$f = ox.$f; } )* };
+            }
+            takex!(
+                enabled,
+                capacity,
+                reconcile_interval_secs,
+                lease_secs,
+                keys_per_attempt,
+                sweep_chunk,
+                sweep_chunks_per_turn,
+                reconcile_connections,
+                listen,
+                generation_poll_secs
+            );
+            self.formula = Some(x);
+        }
         self
     }
 
@@ -281,9 +367,22 @@ impl RawConfig {
             resume_endpoint: parse("NEXUSCRM_PAUSED_RESUME_ENDPOINT")?,
             resume_secret: var("NEXUSCRM_PAUSED_RESUME_SECRET").map(crate::resume::SecretText),
         };
+        let formula = RawFormula {
+            enabled: parse("NEXUSCRM_FORMULA_ENABLED")?,
+            capacity: parse("NEXUSCRM_FORMULA_CAPACITY")?,
+            reconcile_interval_secs: parse("NEXUSCRM_FORMULA_RECONCILE_INTERVAL_SECS")?,
+            lease_secs: parse("NEXUSCRM_FORMULA_LEASE_SECS")?,
+            keys_per_attempt: parse("NEXUSCRM_FORMULA_KEYS_PER_ATTEMPT")?,
+            sweep_chunk: parse("NEXUSCRM_FORMULA_SWEEP_CHUNK")?,
+            sweep_chunks_per_turn: parse("NEXUSCRM_FORMULA_SWEEP_CHUNKS_PER_TURN")?,
+            reconcile_connections: parse("NEXUSCRM_FORMULA_RECONCILE_CONNECTIONS")?,
+            listen: parse("NEXUSCRM_FORMULA_LISTEN")?,
+            generation_poll_secs: parse("NEXUSCRM_FORMULA_GENERATION_POLL_SECS")?,
+        };
         Ok(RawConfig {
             flow: Some(flow),
             paused: Some(paused),
+            formula: Some(formula),
             database_url: var("NEXUSCRM_DATABASE_URL"),
             generation: parse("NEXUSCRM_GENERATION")?,
             admin_addr: var("NEXUSCRM_ADMIN_ADDR"),
@@ -391,13 +490,7 @@ impl RawConfig {
             Some(crate::resume::SecretText(secret)) => Some(crate::resume::Secret::new(secret)),
         };
         let b = self.bulk.unwrap_or_default();
-        let capacity = b.capacity.unwrap_or(4);
-        if capacity == 0 || capacity > 1024 {
-            return Err(bad(
-                "bulk.capacity",
-                format!("{capacity} must be 1 to 1024"),
-            ));
-        }
+        let capacity = within("bulk.capacity", b.capacity.unwrap_or(4), 1, 1024)?;
         let reconcile = b.reconcile_interval_secs.unwrap_or(300);
         if reconcile == 0 {
             return Err(bad(
@@ -405,13 +498,7 @@ impl RawConfig {
                 "must be at least 1 (the backstop must not become a poll)",
             ));
         }
-        let lease = b.lease_secs.unwrap_or(30.0);
-        if !(0.1..=3600.0).contains(&lease) {
-            return Err(bad(
-                "bulk.lease_secs",
-                format!("{lease} must be 0.1 to 3600"),
-            ));
-        }
+        let lease = within("bulk.lease_secs", b.lease_secs.unwrap_or(30.0), 0.1, 3600.0)?;
         let segment_size = b.segment_size.unwrap_or(100);
         if segment_size == 0 || segment_size > nexuscrm_bulk::MAX_SEGMENT_SIZE {
             return Err(bad(
@@ -443,13 +530,7 @@ impl RawConfig {
             ));
         }
         let f = self.flow.unwrap_or_default();
-        let flow_capacity = f.capacity.unwrap_or(8);
-        if flow_capacity == 0 || flow_capacity > 1024 {
-            return Err(bad(
-                "flow.capacity",
-                format!("{flow_capacity} must be 1 to 1024"),
-            ));
-        }
+        let flow_capacity = within("flow.capacity", f.capacity.unwrap_or(8), 1, 1024)?;
         let flow_reconcile = f.reconcile_interval_secs.unwrap_or(300);
         if flow_reconcile == 0 {
             return Err(bad(
@@ -457,13 +538,7 @@ impl RawConfig {
                 "must be at least 1 (the backstop must not become a poll)",
             ));
         }
-        let flow_lease = f.lease_secs.unwrap_or(30.0);
-        if !(0.1..=3600.0).contains(&flow_lease) {
-            return Err(bad(
-                "flow.lease_secs",
-                format!("{flow_lease} must be 0.1 to 3600"),
-            ));
-        }
+        let flow_lease = within("flow.lease_secs", f.lease_secs.unwrap_or(30.0), 0.1, 3600.0)?;
         let grace = f.misfire_grace_secs.unwrap_or(10.0);
         if !(0.0..=86_400.0).contains(&grace) {
             return Err(bad(
@@ -485,9 +560,11 @@ impl RawConfig {
             generation_poll: Duration::from_secs(flow_poll),
         };
         let paused = validate_paused(self.paused.unwrap_or_default())?;
+        let formula = validate_formula(self.formula.unwrap_or_default())?;
         Ok(Settings {
             flow,
             paused,
+            formula,
             database_url: self.database_url.unwrap_or_else(|| DEFAULT_DATABASE.into()),
             generation,
             admin_addr,
@@ -511,14 +588,54 @@ impl RawConfig {
     }
 }
 
+fn validate_formula(x: RawFormula) -> Result<FormulaSettings, String> {
+    Ok(FormulaSettings {
+        enabled: x.enabled.unwrap_or(true),
+        capacity: within("formula.capacity", x.capacity.unwrap_or(2), 1, 1024)?,
+        reconcile_interval: backstop(
+            "formula.reconcile_interval_secs",
+            x.reconcile_interval_secs.unwrap_or(300),
+        )?,
+        lease: Duration::from_secs_f64(within(
+            "formula.lease_secs",
+            x.lease_secs.unwrap_or(30.0),
+            0.1,
+            3600.0,
+        )?),
+        keys_per_attempt: within(
+            "formula.keys_per_attempt",
+            x.keys_per_attempt.unwrap_or(100),
+            1,
+            10_000,
+        )?,
+        sweep_chunk: within(
+            "formula.sweep_chunk",
+            x.sweep_chunk.unwrap_or(1000),
+            1,
+            100_000,
+        )?,
+        sweep_chunks_per_turn: within(
+            "formula.sweep_chunks_per_turn",
+            x.sweep_chunks_per_turn.unwrap_or(4),
+            1,
+            10_000,
+        )?,
+        reconcile_connections: within(
+            "formula.reconcile_connections",
+            x.reconcile_connections.unwrap_or(2),
+            1,
+            64,
+        )?,
+        listen: x.listen.unwrap_or(true),
+        generation_poll: poll_interval(
+            "formula.generation_poll_secs",
+            x.generation_poll_secs.unwrap_or(5),
+        )?,
+    })
+}
+
 fn validate_paused(p: RawPaused) -> Result<PausedSettings, String> {
-    let capacity = p.capacity.unwrap_or(8);
-    if capacity == 0 || capacity > 1024 {
-        return Err(bad(
-            "paused.capacity",
-            format!("{capacity} must be 1 to 1024"),
-        ));
-    }
+    let capacity = within("paused.capacity", p.capacity.unwrap_or(8), 1, 1024)?;
     let reconcile = p.reconcile_interval_secs.unwrap_or(300);
     if reconcile == 0 {
         return Err(bad(
@@ -526,13 +643,12 @@ fn validate_paused(p: RawPaused) -> Result<PausedSettings, String> {
             "must be at least 1 (the backstop must not become a poll)",
         ));
     }
-    let lease = p.lease_secs.unwrap_or(30.0);
-    if !(0.1..=3600.0).contains(&lease) {
-        return Err(bad(
-            "paused.lease_secs",
-            format!("{lease} must be 0.1 to 3600"),
-        ));
-    }
+    let lease = within(
+        "paused.lease_secs",
+        p.lease_secs.unwrap_or(30.0),
+        0.1,
+        3600.0,
+    )?;
     let timeout = p.connector_timeout_secs.unwrap_or(10.0);
     if !(0.01..=600.0).contains(&timeout) {
         return Err(bad(
@@ -742,5 +858,51 @@ mod tests {
         assert!(!s.flow.enabled);
         assert_eq!(s.flow.lease, Duration::from_millis(2500));
         assert_eq!(s.flow.misfire_grace, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn the_formula_table_is_validated_and_on_by_default() {
+        let s = RawConfig::default().validate().unwrap();
+        assert!(s.formula.enabled, "Formula View is on by default");
+        assert_eq!(s.formula.capacity, 2);
+        assert_eq!(s.formula.reconcile_connections, 2);
+        assert_eq!(s.formula.reconcile_interval, Duration::from_secs(300));
+        for (toml, key) in [
+            ("capacity = 0", "`formula.capacity`"),
+            (
+                "reconcile_interval_secs = 0",
+                "`formula.reconcile_interval_secs`",
+            ),
+            ("lease_secs = 0.0", "`formula.lease_secs`"),
+            ("keys_per_attempt = 0", "`formula.keys_per_attempt`"),
+            ("sweep_chunk = 1000000", "`formula.sweep_chunk`"),
+            (
+                "sweep_chunks_per_turn = 0",
+                "`formula.sweep_chunks_per_turn`",
+            ),
+            (
+                "reconcile_connections = 0",
+                "`formula.reconcile_connections`",
+            ),
+            ("generation_poll_secs = 0", "`formula.generation_poll_secs`"),
+        ] {
+            let raw: RawConfig = toml::from_str(&format!("[formula]\n{toml}")).unwrap();
+            let e = raw.validate().unwrap_err();
+            assert!(e.contains(key), "{toml}: {e}");
+        }
+        assert!(toml::from_str::<RawConfig>("[formula]\nchunk = 3").is_err());
+        let file: RawConfig =
+            toml::from_str("[formula]\nenabled = false\nsweep_chunk = 50").unwrap();
+        let flags = RawConfig {
+            formula: Some(RawFormula {
+                capacity: Some(3),
+                ..RawFormula::default()
+            }),
+            ..RawConfig::default()
+        };
+        let s = file.overlay(flags).validate().unwrap();
+        assert!(!s.formula.enabled);
+        assert_eq!(s.formula.sweep_chunk, 50);
+        assert_eq!(s.formula.capacity, 3);
     }
 }

@@ -236,6 +236,10 @@ pub(crate) fn proof_of(family: &str) -> &'static [&'static str] {
             "crates/paused/tests/scenarios.rs: the kit's conformance scenarios",
             "crates/paused/tests/load.rs: 4 workers, each effect once, also over 3 Galera nodes",
         ],
+        "formula" => &[
+            "crates/formula/tests/convergence.rs: random interleavings with crashes converge to canonical state; 4 replicas converge one burst",
+            "crates/formula/tests/formula.rs: hand edits repaired exactly, bounded sweep chunks, no idle statements on PostgreSQL",
+        ],
         _ => &[],
     }
 }

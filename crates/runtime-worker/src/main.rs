@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 mod admin;
 mod config;
 mod console;
+mod formula_cli;
 mod http;
 mod metrics;
 mod resume;
@@ -104,6 +105,11 @@ enum Command {
     Pause {
         #[command(subcommand)]
         command: PauseCommand,
+    },
+    /// Formula View: define, list, drop formulas; show a record's derived values; the roll-up.
+    Formula {
+        #[command(subcommand)]
+        command: formula_cli::FormulaCommand,
     },
 }
 
@@ -680,8 +686,9 @@ async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError>
             let bulk = open(&url, 1).await?;
             Flow::open(bulk.db().clone(), 1, FlowOptions::default()).await?;
             PausedFlow::open(bulk.db().clone(), PausedOptions::default()).await?;
+            formula_cli::open_formula(bulk.db().clone()).await?;
             println!(
-                "migrated bulk, flow and paused on {} ({})",
+                "migrated bulk, flow, paused and formula on {} ({})",
                 bulk.db().url(),
                 bulk.db().dialect()
             );
@@ -690,6 +697,7 @@ async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError>
         Command::Bulk { command } => bulk_command(&url, command).await,
         Command::Schedule { command } => schedule_command(&url, command).await,
         Command::Pause { command } => pause_command(&url, command).await,
+        Command::Formula { command } => formula_cli::formula_command(&url, command).await,
         Command::Run { .. } => supervise::run(settings).await,
         Command::Demo { jobs, rows } => demo(&url, jobs, rows).await,
     }
@@ -751,10 +759,40 @@ pub(crate) fn listen_for_signals(
     }
 }
 
+/// The sample records' accounts (the roll-up's groups).
+const DEMO_ACCOUNTS: [&str; 5] = ["Acme", "Globex", "Initech", "Umbrella", "Hooli"];
+/// The sample records' stages with their win probabilities.
+const DEMO_STAGES: [(&str, u32); 4] = [
+    ("prospecting", 10),
+    ("negotiation", 60),
+    ("closed-won", 100),
+    ("closed-lost", 0),
+];
+/// The demo's formula fields: `(name, CEL expression)`.
+const DEMO_FORMULAS: [(&str, &str); 2] = [
+    (
+        "weighted_amount",
+        "record.amount * record.probability / 100",
+    ),
+    (
+        "deal_label",
+        "record.stage == 'closed-won' ? 'won: ' + record.account : record.account + ' (' + record.stage + ')'",
+    ),
+];
+
 fn sample_rows(prefix: &str, n: usize) -> Vec<RowInput> {
     (0..n)
         .map(|i| {
-            let fields = match json!({"name": format!("Contact {i}"), "email": format!("contact{i}@example.com")}) {
+            // Opportunity-like fields, so the demo's formulas and the roll-up have input.
+            let (stage, probability) = DEMO_STAGES[i % DEMO_STAGES.len()];
+            let fields = match json!({
+                "name": format!("Contact {i}"),
+                "email": format!("contact{i}@example.com"),
+                "account": DEMO_ACCOUNTS[i % DEMO_ACCOUNTS.len()],
+                "amount": 100 + (i * 37) % 900,
+                "stage": stage,
+                "probability": probability,
+            }) {
                 Value::Object(m) => m,
                 _ => Map::new(),
             };
@@ -1011,6 +1049,7 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
     flow.set_waker(flow_ctl.waker());
     let flow_cancel = CancellationToken::new();
     let flow_run = tokio::spawn(flow_ctl.run(flow_cancel.clone()));
+    let demo_formula = DemoFormula::start(&bulk).await?;
     let config = Config::new("bulk")
         .capacity(NonZeroUsize::new(4).expect("4"))
         .claim_cooldown(Duration::from_millis(
@@ -1090,6 +1129,14 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
     println!("  done in {:.2?}", started.elapsed());
     cancel.cancel();
     let result = run.await?;
+    let last = jobs
+        .checked_sub(1)
+        .map(|j| format!("demo-{run_id}-{j}-{}", rows.saturating_sub(1)));
+    let shown: Vec<String> = (0..rows.min(3))
+        .map(|i| format!("demo-{run_id}-0-{i}"))
+        .chain(last.filter(|_| rows > 3))
+        .collect();
+    demo_formula.report(&shown).await?;
     // Let the schedules fire a few times, then show their runs.
     let watch = Duration::from_secs(5);
     if let Some(rest) = watch.checked_sub(schedules_created.elapsed()) {
@@ -1158,6 +1205,117 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
         return Ok(exit_for(Err((e.is_poisoned(), e.to_string()))));
     }
     demo_paused(url, bulk.db().clone(), run_id).await
+}
+
+/// The demo's Formula View part: two formula fields over the demo's Bulk records, derived by
+/// their own controller as Bulk's segments commit, and the account roll-up.
+struct DemoFormula {
+    formula: nexuscrm_formula::Formula,
+    versions: Vec<(String, i64)>,
+    handle: nexuscrm_worker::ControllerHandle,
+    cancel: CancellationToken,
+    run: tokio::task::JoinHandle<Result<(), String>>,
+    started: Instant,
+}
+
+impl DemoFormula {
+    /// Defines the demo's formulas and starts the view's controller, woken by `bulk`.
+    async fn start(bulk: &Bulk) -> Result<DemoFormula, AnyError> {
+        let formula = nexuscrm_formula::Formula::open(
+            bulk.db().clone(),
+            nexuscrm_formula::FormulaOptions::default(),
+        )
+        .await?;
+        formula.take_ownership(&owner()).await?;
+        let sample = Value::Object(
+            sample_rows("sample", 1)
+                .pop()
+                .map(|r| r.fields)
+                .unwrap_or_default(),
+        );
+        let mut versions = Vec::new();
+        for (name, expr) in DEMO_FORMULAS {
+            let d = formula.define(name, expr, Some(&sample)).await?;
+            versions.push((name.to_owned(), d.definition.version));
+        }
+        let ctl = Controller::new(
+            formula.source(),
+            Config::new("formula").capacity(NonZeroUsize::new(2).expect("2")),
+        )?;
+        formula.set_waker(ctl.waker());
+        bulk.watch_records(ctl.waker());
+        let handle = ctl.handle();
+        let cancel = CancellationToken::new();
+        let stop = cancel.clone();
+        let run =
+            tokio::spawn(async move { ctl.run(stop).await.map(drop).map_err(|e| e.to_string()) });
+        Ok(DemoFormula {
+            formula,
+            versions,
+            handle,
+            cancel,
+            run,
+            started: Instant::now(),
+        })
+    }
+
+    /// Waits until the records in `keys` carry every demo formula's current version, prints
+    /// them, the definitions and the roll-up, and stops the controller.
+    async fn report(self, keys: &[String]) -> Result<(), AnyError> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let views = loop {
+            let mut views = Vec::new();
+            for key in keys {
+                if let Some(v) = self.formula.show(key).await?
+                    && !v.stale
+                    && self.versions.iter().all(|(name, version)| {
+                        v.values
+                            .iter()
+                            .any(|d| &d.formula == name && d.definition_version == *version)
+                    })
+                {
+                    views.push((key, v));
+                }
+            }
+            if views.len() == keys.len() && self.formula.observations().await?.stale == 0 {
+                break views;
+            }
+            if self.run.is_finished() || Instant::now() > deadline {
+                return Err("the formula view did not converge on the demo's records".into());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        println!(
+            "\nFormula View ({}), converged {:.2?} after start:",
+            nexuscrm_formula::DECLARATION,
+            self.started.elapsed()
+        );
+        for d in self.formula.list().await? {
+            println!(
+                "  formula {} (version {}): {}",
+                d.name, d.version, d.expression
+            );
+        }
+        for (key, view) in &views {
+            formula_cli::print_view(key, view);
+        }
+        println!("Account roll-up (open opportunity amounts, maintained incrementally):");
+        formula_cli::print_rollups(&self.formula.rollups(10).await?);
+        self.cancel.cancel();
+        let result = self.run.await?;
+        let snap = self.handle.snapshot();
+        println!(
+            "Controller snapshot (formula): claims {}  attempts {}  reconciles {}  wakes {}",
+            snap.claim_calls,
+            snap.attempts_completed,
+            snap.reconciles.total(),
+            snap.wakes_received
+        );
+        if let Err(e) = result {
+            return Err(format!("the formula controller stopped: {e}").into());
+        }
+        Ok(())
+    }
 }
 
 /// The demo's Paused Flow part: three runs pause, the CLI resumes them, a local receiver

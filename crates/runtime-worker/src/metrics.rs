@@ -173,6 +173,18 @@ const OBSERVATION_GAUGES: &[(&str, &str)] = &[
         "nexuscrm_paused_oldest_uncertain_age_seconds",
         "How long the oldest uncertain step has waited for a person (domain observation).",
     ),
+    (
+        "nexuscrm_formula_stale_records",
+        "Records waiting for (re)derivation of their formula values (domain observation).",
+    ),
+    (
+        "nexuscrm_formula_oldest_stale_age_seconds",
+        "How long the oldest unclaimed stale record has waited (domain observation).",
+    ),
+    (
+        "nexuscrm_formula_records_with_errors",
+        "Records with at least one formula evaluation error (domain observation).",
+    ),
 ];
 
 /// A histogram per family: name, help, its buckets `(upper bound, count)` (not cumulative; the

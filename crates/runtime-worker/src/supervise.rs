@@ -89,9 +89,11 @@ async fn supervise_all<S: Source>(ctl: Option<Controller<S>>, cancel: Cancellati
 }
 
 pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
-    if !s.bulk.enabled && !s.flow.enabled {
+    if !s.bulk.enabled && !s.flow.enabled && !s.formula.enabled {
         return Err(
-            "no family is enabled (bulk.enabled and flow.enabled are false): nothing to run".into(),
+            "no family is enabled (bulk.enabled, flow.enabled and formula.enabled are \
+                    false): nothing to run"
+                .into(),
         );
     }
     // First of all, so that a stop signal during start-up is a clean stop, not a kill.
@@ -103,7 +105,9 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         .default_segment_size(s.bulk.segment_size)
         .default_max_attempts(s.bulk.max_attempts)
         .listen(s.bulk.listen)
-        .generation_poll(Some(s.bulk.generation_poll));
+        .generation_poll(Some(s.bulk.generation_poll))
+        // Formula View replicas in other processes learn of record changes this way.
+        .announce_records(s.formula.enabled);
     // Test-only: NEXUSCRM_FAULT=<crash-point> arms the real fault hook of the Bulk family
     // (process-level fail-stop tests). Unset, the hook is the zero-cost unarmed default.
     let faults = match std::env::var("NEXUSCRM_FAULT") {
@@ -142,16 +146,39 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         paused_options = paused_options.connector(c.clone());
     }
     let paused = nexuscrm_paused::PausedFlow::open(db.clone(), paused_options).await?;
+    let in_memory = s.database_url.contains(":memory:") || s.database_url.contains("mode=memory");
+    // Formula View reconciles on a small pool of its own, so a sweep never competes with the
+    // business pool (an in-memory SQLite database exists only in its own pool).
+    let reconcile_db = if in_memory || !s.formula.enabled {
+        db.clone()
+    } else {
+        Db::connect_with(
+            &s.database_url,
+            DbOptions::default().max_connections(s.formula.reconcile_connections),
+        )
+        .await?
+    };
+    let formula = nexuscrm_formula::Formula::open(
+        db.clone(),
+        nexuscrm_formula::FormulaOptions::default()
+            .generation(s.generation)
+            .lease(s.formula.lease)
+            .batch(s.formula.keys_per_attempt, s.formula.keys_per_attempt)
+            .sweep(s.formula.sweep_chunk, s.formula.sweep_chunks_per_turn)
+            .listen(s.formula.listen)
+            .generation_poll(Some(s.formula.generation_poll))
+            .reconcile_db(reconcile_db),
+    )
+    .await?;
     // Observations (`/metrics`, `/snapshot`) read through a pool of their own with one
     // connection, so scrapes never take a connection the claims and commits need; each reading
     // is bounded (counts capped) and shared for admin::OBSERVATION_TTL. An in-memory SQLite
     // database exists only in its own pool, so it is observed through that one.
-    let observe_db =
-        if s.database_url.contains(":memory:") || s.database_url.contains("mode=memory") {
-            db.clone()
-        } else {
-            Db::connect_with(&s.database_url, DbOptions::default().max_connections(1)).await?
-        };
+    let observe_db = if in_memory {
+        db.clone()
+    } else {
+        Db::connect_with(&s.database_url, DbOptions::default().max_connections(1)).await?
+    };
     let mut families = Vec::new();
     let bulk_ctl = if s.bulk.enabled {
         let capacity = std::num::NonZeroUsize::new(s.bulk.capacity)
@@ -232,6 +259,34 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     } else {
         None
     };
+    let formula_ctl = if s.formula.enabled {
+        let capacity = std::num::NonZeroUsize::new(s.formula.capacity)
+            .ok_or("formula.capacity must be at least 1")?;
+        let ctl = Controller::new(
+            formula.source(),
+            Config::new("formula")
+                .capacity(capacity)
+                .reconcile_interval(s.formula.reconcile_interval)
+                .reconcile_jitter(s.formula.reconcile_interval / 10)
+                .shutdown_timeout(s.shutdown_timeout),
+        )?;
+        // Definition changes wake it through the formula handle, record changes of this
+        // process's Bulk segments through Bulk, other processes' through the announcements.
+        formula.set_waker(ctl.waker());
+        bulk.watch_records(ctl.waker());
+        families.push(admin::Family {
+            declaration: nexuscrm_formula::DECLARATION,
+            handle: ctl.handle(),
+            store: admin::Store::Formula(nexuscrm_formula::Formula::without_migrations(
+                observe_db.clone(),
+                nexuscrm_formula::FormulaOptions::default().generation(s.generation),
+            )),
+            observed: admin::ObservationCache::default(),
+        });
+        Some(ctl)
+    } else {
+        None
+    };
     let names: Vec<&str> = families.iter().map(|f| f.declaration.family()).collect();
     // Stops the admin server, and ends the console's event streams so they do not hold it.
     let admin_stop = CancellationToken::new();
@@ -284,6 +339,9 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         if paused_ctl.is_some() {
             paused.take_ownership(&owner()).await?;
         }
+        if formula_ctl.is_some() {
+            formula.take_ownership(&owner()).await?;
+        }
         Ok::<_, AnyError>(())
     };
     if let Err(e) = owned.await {
@@ -291,16 +349,17 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         let _ = server.await;
         return Err(e);
     }
-    let (bulk_ended, flow_ended, paused_ended) = tokio::join!(
+    let (bulk_ended, flow_ended, paused_ended, formula_ended) = tokio::join!(
         supervise_all(bulk_ctl, cancel.clone()),
         supervise_all(flow_ctl, cancel.clone()),
         supervise_all(paused_ctl, cancel.clone()),
+        supervise_all(formula_ctl, cancel.clone()),
     );
     cancel.cancel();
     signals.abort();
     admin_stop.cancel();
     let _ = server.await;
-    let ended = [bulk_ended, flow_ended, paused_ended];
+    let ended = [bulk_ended, flow_ended, paused_ended, formula_ended];
     let poisoned: Vec<&String> = ended
         .iter()
         .filter_map(|e| match e {

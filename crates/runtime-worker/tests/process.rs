@@ -226,6 +226,11 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
     );
     assert_eq!(v["families"][1]["controller"]["ready"], true);
     assert_eq!(v["families"][1]["observations"]["runs"], 0);
+    assert_eq!(
+        v["families"][2]["declaration"],
+        "formula=derived-reconcilable/convergent"
+    );
+    assert_eq!(v["families"][2]["observations"]["stale"], 0);
     let (code, metrics) = get(w.port, "/metrics").unwrap();
     assert_eq!(code, 200);
     // OpenMetrics text: ends with `# EOF`, and a Prometheus text parser reads it back.
@@ -258,7 +263,8 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
         assert!(
             name_labels.ends_with('}')
                 && (name_labels.contains("family=\"bulk\"")
-                    || name_labels.contains("family=\"flow\"")),
+                    || name_labels.contains("family=\"flow\"")
+                    || name_labels.contains("family=\"formula\"")),
             "{line:?}"
         );
         samples += 1;
@@ -275,6 +281,8 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
         "# TYPE nexuscrm_worker_attempt_duration_seconds histogram",
         "# TYPE nexuscrm_worker_due_lateness_seconds histogram",
         "nexuscrm_worker_claim_batch_size_bucket{le=\"0.0\",family=\"bulk\"}",
+        "nexuscrm_formula_stale_records{family=\"formula\"} 0",
+        "nexuscrm_formula_records_with_errors{family=\"formula\"} 0",
     ] {
         assert!(metrics.contains(want), "{want} missing from:\n{metrics}");
     }
@@ -1235,7 +1243,8 @@ async fn paused_flow_runs_in_the_worker_and_an_uncertain_effect_waits_for_a_pers
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_demo_shows_bulk_schedules_and_a_paused_resumed_and_uncertain_step_twice() {
+async fn the_demo_shows_bulk_schedules_derived_values_and_a_paused_resumed_and_uncertain_step_twice()
+ {
     let t = TestDb::create(Dialect::Sqlite, "demo").await.unwrap();
     for round in 0..2 {
         let out = Command::new(BIN)
@@ -1263,6 +1272,12 @@ async fn the_demo_shows_bulk_schedules_and_a_paused_resumed_and_uncertain_step_t
             "is UNCERTAIN",
             "never resent; evidence:",
             "completed (resolved by demo-operator)",
+            "Formula View (formula=derived-reconcilable/convergent)",
+            "formula weighted_amount",
+            "weighted_amount      = 10 ",
+            "(from revision 1, definition version ",
+            "\"won: Initech\"",
+            "Account roll-up",
         ] {
             assert!(stdout.contains(want), "round {round}: {want:?} in {stdout}");
         }
@@ -1505,4 +1520,154 @@ fn a_bad_otlp_endpoint_is_refused_before_anything_starts() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("otlp_traces_endpoint"), "{err}");
+}
+
+/// Polls `f` every 100 ms until it is `Some`, for at most `within`.
+async fn eventually<T>(within: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn formula_commands_define_show_and_drop_while_a_running_worker_derives_the_view() {
+    for dialect in [Dialect::Sqlite, Dialect::Postgres, Dialect::Mysql] {
+        let Some(t) = TestDb::create(dialect, "formulacli").await else {
+            continue;
+        };
+        // Refused with the parser's position or the reason; nothing stored.
+        let (ok, _, err) = cli(
+            &t.url,
+            &["formula", "define", "weighted", "--expr", "record.amount *"],
+        );
+        assert!(!ok && err.contains("1:16"), "{dialect}: {err}");
+        let (ok, _, err) = cli(
+            &t.url,
+            &[
+                "formula",
+                "define",
+                "w",
+                "--expr",
+                "record.a / record.b",
+                "--sample",
+                "{\"a\": 1, \"b\": 0}",
+            ],
+        );
+        assert!(
+            !ok && err.contains("fails on the sample record"),
+            "{dialect}: {err}"
+        );
+        let (ok, _, err) = cli(
+            &t.url,
+            &["formula", "define", "w", "--expr", "1", "--sample", "{"],
+        );
+        assert!(
+            !ok && err.contains("--sample is not JSON"),
+            "{dialect}: {err}"
+        );
+        let (ok, out, _) = cli(&t.url, &["formula", "list"]);
+        assert!(
+            ok && out.contains("no formulas defined"),
+            "{dialect}: {out}"
+        );
+        // Two formulas: one that evaluates, one that fails on every sample record (no `seats`).
+        let (ok, out, err) = cli(
+            &t.url,
+            &[
+                "formula",
+                "define",
+                "weighted",
+                "--expr",
+                "record.amount * record.probability / 100",
+                "--sample",
+                "{\"amount\": 100, \"probability\": 50}",
+            ],
+        );
+        assert!(
+            ok && out.starts_with("defined weighted (version "),
+            "{dialect}: {out}{err}"
+        );
+        let (ok, _, err) = cli(
+            &t.url,
+            &[
+                "formula",
+                "define",
+                "per_seat",
+                "--expr",
+                "record.amount / record.seats",
+            ],
+        );
+        assert!(ok, "{dialect}: {err}");
+        let (ok, out, _) = cli(&t.url, &["formula", "list"]);
+        assert!(
+            ok && out.contains("per_seat") && out.contains("weighted"),
+            "{out}"
+        );
+
+        let mut w = start(&t.url, &[]);
+        submit(&t.url, "fx", 20, 10);
+        // fx-0: amount 100, probability 10 (the sample rows' fields).
+        let shown = eventually(Duration::from_secs(60), "fx-0 derived", || {
+            let (ok, out, _) = cli(&t.url, &["formula", "show", "fx-0"]);
+            (ok && out.contains("revision 1") && !out.contains("stale") && out.contains("per_seat"))
+                .then_some(out)
+        })
+        .await;
+        assert!(
+            shown.contains("weighted             = 10 "),
+            "{dialect}: {shown}"
+        );
+        assert!(
+            shown.contains("per_seat             = error: "),
+            "{dialect}: {shown}"
+        );
+        assert!(
+            shown.contains("(from revision 1, definition version "),
+            "{shown}"
+        );
+        // The observations and metrics count the evaluation errors (read at most every 10 s).
+        eventually(
+            Duration::from_secs(30),
+            "the error count in /snapshot",
+            || {
+                let (_, body) = get(w.port, "/snapshot")?;
+                let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+                let f = v["families"]
+                    .as_array()?
+                    .iter()
+                    .find(|f| f["family"] == "formula")?
+                    .clone();
+                (f["observations"]["records_with_errors"] == 20 && f["observations"]["stale"] == 0)
+                    .then_some(())
+            },
+        )
+        .await;
+        let (_, metrics) = get(w.port, "/metrics").unwrap();
+        assert!(
+            metrics.contains("nexuscrm_formula_records_with_errors{family=\"formula\"} 20"),
+            "{metrics}"
+        );
+        let (ok, out, _) = cli(&t.url, &["formula", "rollup"]);
+        assert!(ok && out.contains("Acme"), "{out}");
+        // A drop: the values leave the view as the running worker rederives.
+        let (ok, out, _) = cli(&t.url, &["formula", "drop", "per_seat"]);
+        assert!(ok && out.starts_with("dropped per_seat"), "{out}");
+        let (ok, _, err) = cli(&t.url, &["formula", "drop", "per_seat"]);
+        assert!(!ok && err.contains("no formula `per_seat`"), "{err}");
+        eventually(Duration::from_secs(60), "per_seat gone from fx-19", || {
+            let (ok, out, _) = cli(&t.url, &["formula", "show", "fx-19"]);
+            (ok && !out.contains("per_seat") && out.contains("weighted") && !out.contains("stale"))
+                .then_some(())
+        })
+        .await;
+        let (ok, _, err) = cli(&t.url, &["formula", "show", "no-such-record"]);
+        assert!(!ok && err.contains("has no entry in the view"), "{err}");
+        stop_clean(&mut w);
+        t.drop_database().await;
+    }
 }
