@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 mod cluster;
+mod formula;
 mod measure;
 mod report;
 mod scenarios;
@@ -37,6 +38,8 @@ enum Scenario {
     Contend,
     /// EXPLAIN (ANALYZE, BUFFERS) of the claim and next-work statements at 10^3..10^6 rows.
     Explain,
+    /// Formula View: convergence of N changed records, idle statements, and its plans.
+    Formula,
 }
 
 #[derive(Parser, Debug)]
@@ -77,6 +80,9 @@ struct Cli {
     /// default is the Runtime Worker's.
     #[arg(long, default_value_t = DEFAULT_CLAIMS_IN_FLIGHT)]
     claims_in_flight: usize,
+    /// Records the Formula View converges (a fresh process, then a running one).
+    #[arg(long, default_value_t = 20_000)]
+    formula_records: usize,
     /// Scheduled occurrences in the due scenario.
     #[arg(long, default_value_t = 40)]
     due_items: usize,
@@ -105,6 +111,7 @@ pub(crate) struct Plan {
     pub(crate) replicas: Vec<usize>,
     pub(crate) baseline_cap: Duration,
     pub(crate) due_items: usize,
+    pub(crate) formula_records: usize,
     pub(crate) explain_rows: Vec<usize>,
     /// The controllers' `claims_in_flight`.
     pub(crate) claims_in_flight: std::num::NonZeroUsize,
@@ -144,6 +151,7 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
         replicas: vec![1, 2, 4],
         baseline_cap: Duration::from_secs(cli.baseline_cap_secs.max(1)),
         due_items: cli.due_items.max(1),
+        formula_records: cli.formula_records.max(1),
         explain_rows: cli.explain_rows.clone(),
         claims_in_flight: std::num::NonZeroUsize::new(cli.claims_in_flight)
             .filter(|n| n.get() <= 4)
@@ -157,6 +165,7 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
         plan.replicas = vec![1, 2];
         plan.baseline_cap = Duration::from_secs(3);
         plan.due_items = 10;
+        plan.formula_records = 2_000;
         plan.explain_rows = vec![1_000, 10_000];
     }
     let command = std::env::args().collect::<Vec<_>>().join(" ");
@@ -196,6 +205,10 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
     if matches!(which, Scenario::All | Scenario::Explain) {
         eprintln!("explain at {:?} rows ...", plan.explain_rows);
         report.plans = scenarios::explain(&env, &plan).await?;
+    }
+    if matches!(which, Scenario::All | Scenario::Formula) {
+        eprintln!("formula: {} records ...", plan.formula_records);
+        report.formula = Some(formula::formula(&env, &plan).await?);
     }
     std::fs::create_dir_all(&cli.out)
         .map_err(|e| format!("cannot create {}: {e}", cli.out.display()))?;

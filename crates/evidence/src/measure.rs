@@ -118,6 +118,10 @@ impl Env {
             .await?
             .take_ownership("nexuscrm-evidence")
             .await?;
+        nexuscrm_formula::Formula::open(db.clone(), nexuscrm_formula::FormulaOptions::default())
+            .await?
+            .take_ownership("nexuscrm-evidence")
+            .await?;
         Ok(Env {
             admin_url: admin_url.to_owned(),
             db,
@@ -139,7 +143,8 @@ impl Env {
     pub(crate) async fn reset_tables(&self) -> Result<(), AnyError> {
         sqlx::query(
             "TRUNCATE bulk_job, bulk_input, bulk_row_error, crm_record, crm_record_change, \
-             flow_schedule, flow_run RESTART IDENTITY",
+             flow_schedule, flow_run, formula_definition, formula_record, formula_value, \
+             formula_rollup, formula_cursor RESTART IDENTITY",
         )
         .execute(self.db.pool())
         .await?;

@@ -20,6 +20,7 @@ pub(crate) struct Report {
     pub(crate) due: Option<Due>,
     pub(crate) contend: Option<Contend>,
     pub(crate) plans: Vec<Explained>,
+    pub(crate) formula: Option<crate::formula::FormulaEvidence>,
 }
 
 fn f(x: f64) -> String {
@@ -67,6 +68,7 @@ impl Report {
             due: None,
             contend: None,
             plans: Vec::new(),
+            formula: None,
         })
     }
 
@@ -212,7 +214,100 @@ impl Report {
                 seq == 0,
             ));
         }
+        if let Some(fx) = &self.formula {
+            t.push((
+                "Formula View idle: no statement between changes (the backstop only)".into(),
+                format!(
+                    "{} statements in {:.1} s",
+                    fx.idle_statements, fx.idle_window_secs
+                ),
+                fx.idle_statements == 0,
+            ));
+            let seq = fx.plans.iter().filter(|e| e.seq_scan).count();
+            t.push((
+                "Formula View claim, next-work, change-cursor and sweep plans on an index at every size (no sequential scan)".into(),
+                format!("{seq} of {} plans scan sequentially", fx.plans.len()),
+                seq == 0,
+            ));
+        }
         t
+    }
+
+    /// The Formula View section.
+    fn formula_markdown(&self, out: &mut String) {
+        let Some(fx) = &self.formula else {
+            return;
+        };
+        let _ = writeln!(
+            out,
+            "## Formula View\n\n{} canonical records written through Bulk (as the tool; its \
+             statements are not counted), two CEL formulas and the account roll-up; the view \
+             runs as `ev_controller`, capacity 2, 100 records per attempt, its sweep on a pool \
+             of its own in chunks of {} ({} per backstop turn after the first, full sweep). \
+             First a **fresh process** converges the view from nothing (its startup sweep \
+             marks every record, its claims derive them: no change history is replayed); then \
+             Bulk changes every record once more while the process runs, and the view follows \
+             through the **change cursor**, woken by Bulk's segments. Times run until every \
+             record is derived at its latest revision with both values.\n",
+            fx.records, fx.sweep_chunk, fx.sweep_chunks_per_turn
+        );
+        out.push_str(
+            "| path | records | seconds | records/s | statements | statements/record | lag \
+             after the last write s |\n|---|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for c in &fx.converged {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                c.path,
+                c.records,
+                f(c.secs),
+                f(c.records_per_s),
+                c.statements,
+                f(c.statements_per_record),
+                c.lag_after_last_write_secs.map_or("-".into(), f)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "\nIdle: {} statements in a {:.1} s window after convergence (LISTEN for record \
+             announcements issues none); one requested backstop turn (release of older \
+             generations' claims, {} sweep chunks, and the claim and next_work_at it causes) \
+             cost {} statements.\n",
+            fx.idle_statements,
+            fx.idle_window_secs,
+            fx.sweep_chunks_per_turn,
+            fx.statements_per_backstop
+        );
+        for c in &fx.converged {
+            let _ = writeln!(out, "### Digests: {}\n", c.path);
+            digest_table(out, &c.digests);
+        }
+        out.push_str(
+            "### Formula View plans\n\n`EXPLAIN (ANALYZE, BUFFERS)` with every record derived \
+             and 10 due, n / 10 accounts, one change-log entry per record; the sweep statements \
+             read one chunk after a key, the roll-up check one chunk of accounts.\n\n\
+             | statement | records | sequential scan | buffers | execution ms |\n\
+             |---|---:|---|---|---:|\n",
+        );
+        for e in &fx.plans {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} |",
+                e.statement,
+                e.rows,
+                if e.seq_scan { "yes" } else { "no" },
+                e.buffers,
+                f(e.execution_ms)
+            );
+        }
+        out.push('\n');
+        if let Some(n) = fx.plans.iter().map(|e| e.rows).max() {
+            let _ = writeln!(out, "#### Formula View plans at {n} records\n");
+            for e in fx.plans.iter().filter(|e| e.rows == n) {
+                let _ = writeln!(out, "`{}`:\n\n```\n{}\n```\n", e.statement, e.plan);
+            }
+        }
     }
 
     /// The whole report as Markdown.
@@ -413,6 +508,7 @@ impl Report {
                 }
             }
         }
+        self.formula_markdown(&mut out);
         out.push_str(
             "## Benchmarks\n\nProcess-local CPU and allocations per attempt are criterion \
              benchmarks in their crates: `cargo bench -p nexuscrm-worker --bench controller` \
@@ -470,6 +566,7 @@ impl Report {
             "replicas": self.plan.replicas,
             "due_items": self.plan.due_items,
             "explain_rows": self.plan.explain_rows,
+            "formula_records": self.plan.formula_records,
         });
         v["details"] = json!({
             "idle": self.idle,
@@ -477,6 +574,7 @@ impl Report {
             "due": self.due,
             "contend": self.contend,
             "plans": self.plans,
+            "formula": self.formula,
         });
         v
     }

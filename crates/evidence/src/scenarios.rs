@@ -595,7 +595,7 @@ pub(crate) struct Explained {
     pub(crate) plan: String,
 }
 
-async fn explain_one(
+pub(crate) async fn explain_one(
     c: &mut PgConnection,
     sql: &str,
     args: &str,

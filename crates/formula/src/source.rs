@@ -385,37 +385,59 @@ async fn sweep_view(
 /// Pass 2: the roll-up in `(after, …]` against its canonical aggregate (per account, the sum
 /// of the view's contributions, an index range over `formula_record_account`); an account that
 /// differs is repaired under its row lock from a fresh sum.
+///
+/// A chunk is bounded by records, not by accounts: the account at record offset `chunk - 1`
+/// closes the range, so a table with few accounts is still read `chunk` records at a time (an
+/// account with more records than a chunk is one range of its own), and no backstop turn is an
+/// aggregate over the whole table.
 async fn sweep_rollup(
     c: &mut AnyConnection,
     q: &Queries,
     after: &str,
     chunk: i64,
 ) -> Result<Step, sqlx::Error> {
-    let canonical = sqlx::query(q.get("sweep_rollup_canonical"))
+    let bound = sqlx::query(q.get("sweep_rollup_bound"))
         .bind(after)
-        .bind(chunk)
-        .fetch_all(&mut *c)
-        .await?;
-    let full = canonical.len() as i64 == chunk;
+        .bind(chunk - 1)
+        .fetch_optional(&mut *c)
+        .await?
+        .map(|r| text(&r, 0))
+        .transpose()?;
+    let canonical = match &bound {
+        Some(upper) => {
+            sqlx::query(q.get("sweep_rollup_canonical"))
+                .bind(after)
+                .bind(upper.as_str())
+                .fetch_all(&mut *c)
+                .await?
+        }
+        None => {
+            sqlx::query(q.get("sweep_rollup_canonical_tail"))
+                .bind(after)
+                .fetch_all(&mut *c)
+                .await?
+        }
+    };
+    let full = bound.is_some();
     let mut want: BTreeMap<String, (i64, i64)> = BTreeMap::new();
-    let mut last = None;
     for r in &canonical {
-        let account = text(r, 0)?;
-        want.insert(account.clone(), (r.try_get(1)?, r.try_get(2)?));
-        last = Some(account);
+        want.insert(text(r, 0)?, (r.try_get(1)?, r.try_get(2)?));
     }
-    let stored = if full {
-        sqlx::query(q.get("sweep_rollup_stored"))
-            .bind(after)
-            .bind(last.clone().unwrap_or_default())
-            .fetch_all(&mut *c)
-            .await?
-    } else {
-        sqlx::query(q.get("sweep_rollup_stored_tail"))
-            .bind(after)
-            .bind(chunk)
-            .fetch_all(&mut *c)
-            .await?
+    let stored = match &bound {
+        Some(upper) => {
+            sqlx::query(q.get("sweep_rollup_stored"))
+                .bind(after)
+                .bind(upper.as_str())
+                .fetch_all(&mut *c)
+                .await?
+        }
+        None => {
+            sqlx::query(q.get("sweep_rollup_stored_tail"))
+                .bind(after)
+                .bind(chunk)
+                .fetch_all(&mut *c)
+                .await?
+        }
     };
     let tail_full = !full && stored.len() as i64 == chunk;
     let mut have: BTreeMap<String, (i64, i64)> = BTreeMap::new();
@@ -425,7 +447,13 @@ async fn sweep_rollup(
         have.insert(account.clone(), (r.try_get(1)?, r.try_get(2)?));
         last_stored = Some(account);
     }
-    let mut statements = 2;
+    if tail_full {
+        // The stored side stopped at `last_stored`; accounts after it are the next chunk's.
+        if let Some(last) = &last_stored {
+            want.retain(|account, _| account <= last);
+        }
+    }
+    let mut statements = 3;
     let mut repaired = 0;
     let accounts: Vec<String> = want
         .keys()
@@ -475,7 +503,7 @@ async fn sweep_rollup(
         }
     }
     let next = if full {
-        last
+        bound
     } else if tail_full {
         last_stored
     } else {

@@ -311,6 +311,73 @@ async fn reconciliation_repairs_exactly_the_rows_edited_by_hand() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rollup_sweep_repairs_accounts_on_every_side_of_its_chunk_boundaries() {
+    for d in DIALECTS {
+        let Some(fx) = fx(d, "rollupchunks").await else {
+            continue;
+        };
+        let f = view(&fx);
+        f.define("weighted", "record.amount * 3", None)
+            .await
+            .unwrap();
+        // 60 accounts of 2 or 3 records each, so ranges of 10 records close inside and at the
+        // end of accounts.
+        let records: Vec<(String, serde_json::Value)> = (0..130)
+            .map(|i| {
+                (
+                    format!("opp-{i:05}"),
+                    serde_json::json!({
+                        "name": format!("Deal {i}"),
+                        "account": format!("acct-{:03}", i % 60),
+                        "amount": i as i64,
+                        "stage": "open",
+                    }),
+                )
+            })
+            .collect();
+        apply(&fx, records).await;
+        run_worker(&fx.t.db, 1, Faults::none(), |o| o)
+            .await
+            .unwrap();
+        let clean = observed(&fx.t.db).await;
+        let exec = |sql: &'static str| {
+            let db = fx.t.db.clone();
+            async move { sqlx::query(sql).execute(db.pool()).await.unwrap() }
+        };
+        // The first account, a middle one, the last one altered; one deleted; two added
+        // (before every account and after every account), neither with records.
+        exec("UPDATE formula_rollup SET total = total + 1 WHERE account = 'acct-000'").await;
+        exec("UPDATE formula_rollup SET records = records + 1 WHERE account = 'acct-024'").await;
+        exec("UPDATE formula_rollup SET total = 0 WHERE account = 'acct-059'").await;
+        exec("DELETE FROM formula_rollup WHERE account = 'acct-036'").await;
+        exec("INSERT INTO formula_rollup (account, total, records) VALUES ('acct-', 7, 1)").await;
+        exec("INSERT INTO formula_rollup (account, total, records) VALUES ('zzz', 7, 1)").await;
+        assert_ne!(observed(&fx.t.db).await, clean, "{d:?}");
+        let formula =
+            Formula::without_migrations(fx.t.db.clone(), options(1, Faults::none()).sweep(10, 1));
+        let report = formula
+            .source()
+            .sweep_all(&CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!(report.rollups_repaired, 6, "{d:?}: {report:?}");
+        assert_eq!(report.marked, 0, "{d:?}: {report:?}");
+        assert_eq!(
+            observed(&fx.t.db).await,
+            clean,
+            "{d:?}: repaired by the sweep alone"
+        );
+        let report = formula
+            .source()
+            .sweep_all(&CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!((report.marked, report.rollups_repaired), (0, 0), "{d:?}");
+        fx.t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sweep_chunk_costs_a_bounded_number_of_statements() {
     let Some(fx) = fx(Dialect::Sqlite, "sweepcost").await else {
         return;
@@ -336,11 +403,14 @@ async fn a_sweep_chunk_costs_a_bounded_number_of_statements() {
         .sweep_all(&CancellationToken::new())
         .await
         .unwrap();
-    // 1000 records and 1000 entries in chunks of 100 (10 + a short last one each), 7
-    // accounts in one chunk: 2 statements per records chunk, 3 per view chunk, 2 per roll-up
-    // chunk, none to repair, plus the fence check of each chunk's transaction (not counted).
-    assert_eq!(report.chunks, 11 + 11 + 1, "{report:?}");
-    assert_eq!(report.statements, 11 * 2 + 11 * 3 + 2, "{report:?}");
+    // 1000 records and 1000 entries in chunks of 100 (10 + a short last one each): 2
+    // statements per records chunk, 3 per view chunk. The roll-up is chunked by records, not
+    // accounts: 7 accounts of ~143 records each are 7 ranges (each closes at the account of
+    // the 100th record after the cursor, so takes the whole account) and an empty tail, 3
+    // statements each; none to repair, plus the fence check of each chunk's transaction (not
+    // counted). A whole-table aggregate would have been one chunk.
+    assert_eq!(report.chunks, 11 + 11 + 8, "{report:?}");
+    assert_eq!(report.statements, 11 * 2 + 11 * 3 + 8 * 3, "{report:?}");
     assert_eq!(report.marked, 0);
     fx.t.drop_database().await;
 }

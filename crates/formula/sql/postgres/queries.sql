@@ -109,9 +109,18 @@ WHERE record_key > $1 AND record_key <= $2 ORDER BY record_key, formula
 -- name: sweep_values_tail
 SELECT record_key, formula, value, error, source_revision, definition_version, digest FROM formula_value
 WHERE record_key > $1 ORDER BY record_key, formula LIMIT $2
+-- The roll-up chunk is bounded by records, not accounts: the account at record offset
+-- chunk - 1 after the cursor (an index-only range over formula_record_account) closes the range,
+-- so no chunk aggregates more than `chunk` records plus the rest of its last account.
+-- name: sweep_rollup_bound
+SELECT account FROM formula_record WHERE account > $1 ORDER BY account LIMIT 1 OFFSET $2
 -- name: sweep_rollup_canonical
 SELECT account, CAST(SUM(contribution) AS BIGINT), COUNT(*) FROM formula_record
-WHERE account > $1 GROUP BY account ORDER BY account LIMIT $2
+WHERE account > $1 AND account <= $2 GROUP BY account ORDER BY account
+-- The last range (fewer than `chunk` records after the cursor).
+-- name: sweep_rollup_canonical_tail
+SELECT account, CAST(SUM(contribution) AS BIGINT), COUNT(*) FROM formula_record
+WHERE account > $1 GROUP BY account ORDER BY account
 -- name: sweep_rollup_stored
 SELECT account, total, records FROM formula_rollup WHERE account > $1 AND account <= $2 ORDER BY account
 -- name: sweep_rollup_stored_tail

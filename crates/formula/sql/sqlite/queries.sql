@@ -109,9 +109,18 @@ WHERE record_key > ? AND record_key <= ? ORDER BY record_key, formula
 -- name: sweep_values_tail
 SELECT record_key, formula, value, error, source_revision, definition_version, digest FROM formula_value
 WHERE record_key > ? ORDER BY record_key, formula LIMIT ?
+-- The roll-up chunk is bounded by records, not accounts: the account at record offset
+-- chunk - 1 after the cursor (an index-only range over formula_record_account) closes the range,
+-- so no chunk aggregates more than `chunk` records plus the rest of its last account.
+-- name: sweep_rollup_bound
+SELECT account FROM formula_record WHERE account > ? ORDER BY account LIMIT 1 OFFSET ?
 -- name: sweep_rollup_canonical
 SELECT account, CAST(SUM(contribution) AS BIGINT), COUNT(*) FROM formula_record
-WHERE account > ? GROUP BY account ORDER BY account LIMIT ?
+WHERE account > ? AND account <= ? GROUP BY account ORDER BY account
+-- The last range (fewer than `chunk` records after the cursor).
+-- name: sweep_rollup_canonical_tail
+SELECT account, CAST(SUM(contribution) AS BIGINT), COUNT(*) FROM formula_record
+WHERE account > ? GROUP BY account ORDER BY account
 -- name: sweep_rollup_stored
 SELECT account, total, records FROM formula_rollup WHERE account > ? AND account <= ? ORDER BY account
 -- name: sweep_rollup_stored_tail
