@@ -1,4 +1,5 @@
-//! The admin HTTP server (loopback only): `/livez`, `/readyz`, `/snapshot`, `/metrics`, and
+//! The admin HTTP server (loopback only): `/livez`, `/readyz`, `/snapshot`, `/families`,
+//! `/metrics`, and
 //! `POST /paused/resume` when it is configured (see [`crate::resume`]).
 
 use std::sync::Arc;
@@ -249,6 +250,7 @@ pub(crate) fn router(admin: Admin) -> Router {
         .route("/livez", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/snapshot", get(snapshot))
+        .route("/families", get(families))
         .route("/metrics", get(metrics))
         .merge(crate::console::routes())
         .with_state(admin);
@@ -307,6 +309,17 @@ fn snapshot_json(s: &Snapshot) -> Value {
         "poisoned": s.poisoned,
         "last_claim_at_ms": s.last_claim_at.map(nexuscrm_persistence::support::to_ms),
     })
+}
+
+/// `/families`: the registry of asynchronous paths (declaration, owner, proofs), each marked
+/// with whether this process runs it.
+async fn families(State(admin): State<Admin>) -> Response {
+    let running: Vec<&str> = admin
+        .families
+        .iter()
+        .map(|f| f.declaration.family())
+        .collect();
+    axum::Json(crate::registry::json(&running)).into_response()
 }
 
 async fn snapshot(State(admin): State<Admin>) -> Response {

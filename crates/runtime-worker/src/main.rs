@@ -27,6 +27,7 @@ mod console;
 mod formula_cli;
 mod http;
 mod metrics;
+mod registry;
 mod resume;
 mod stall;
 mod supervise;
@@ -110,6 +111,12 @@ enum Command {
     Formula {
         #[command(subcommand)]
         command: formula_cli::FormulaCommand,
+    },
+    /// Every asynchronous path this worker runs: its declaration, owner crate and proofs.
+    Families {
+        /// Print JSON (the `/families` document) instead of the table.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -682,6 +689,14 @@ async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError>
     let url = settings.database_url.clone();
     match cli.command {
         Command::Status { admin_addr } => supervise::print_status(&admin_addr).await,
+        Command::Families { json } => {
+            if json {
+                println!("{:#}", registry::json(&[]));
+            } else {
+                print!("{}", registry::table());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Migrate => {
             let bulk = open(&url, 1).await?;
             Flow::open(bulk.db().clone(), 1, FlowOptions::default()).await?;

@@ -287,6 +287,8 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     } else {
         None
     };
+    // Every path this process runs is in the registry `families` prints, with its proof.
+    crate::registry::check_started(families.iter().map(|f| &f.declaration))?;
     let names: Vec<&str> = families.iter().map(|f| f.declaration.family()).collect();
     // Stops the admin server, and ends the console's event streams so they do not hold it.
     let admin_stop = CancellationToken::new();

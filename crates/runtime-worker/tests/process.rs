@@ -231,6 +231,29 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
         "formula=derived-reconcilable/convergent"
     );
     assert_eq!(v["families"][2]["observations"]["stale"], 0);
+    // `/families`: the registry, each path marked with whether this process runs it; every
+    // controller in `/snapshot` is a registered path with the same declaration.
+    let (code, body) = get(w.port, "/families").unwrap();
+    assert_eq!(code, 200);
+    let registry: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let paths = registry["paths"].as_array().unwrap();
+    for running in v["families"].as_array().unwrap() {
+        let path = paths
+            .iter()
+            .find(|p| p["family"] == running["family"])
+            .unwrap_or_else(|| panic!("{running} is not registered: {body}"));
+        assert_eq!(path["declaration"], running["declaration"]);
+        assert_eq!(path["running"], true, "{path}");
+        assert!(!path["proofs"].as_array().unwrap().is_empty(), "{path}");
+    }
+    // Paused Flow runs only with a connector, which this worker has not.
+    let paused = paths.iter().find(|p| p["family"] == "paused").unwrap();
+    assert_eq!(paused["running"], false);
+    let (ok, out, err) = cli(&t.url, &["families"]);
+    assert!(ok, "{err}");
+    for p in paths {
+        assert!(out.contains(p["declaration"].as_str().unwrap()), "{out}");
+    }
     let (code, metrics) = get(w.port, "/metrics").unwrap();
     assert_eq!(code, 200);
     // OpenMetrics text: ends with `# EOF`, and a Prometheus text parser reads it back.
