@@ -227,6 +227,19 @@ pub(crate) async fn formula(env: &Env, plan: &Plan) -> Result<FormulaEvidence, A
     }
     derived(env, n, 2, Duration::from_secs(600)).await?;
     let secs = started.elapsed().as_secs_f64();
+    let s = handle.snapshot();
+    eprintln!(
+        "  live: Bulk done after {last_write:.2} s, view after {secs:.2} s; claims {} (full {}, empty {}), attempts {}, next_work_at {}, timers fired {}, wakes {} ({} coalesced), attempt time {:?}",
+        s.claim_calls,
+        s.claims_full,
+        s.claims_empty,
+        s.attempts_completed,
+        s.next_work_at_calls,
+        s.timers_fired,
+        s.wakes_received,
+        s.wakes_coalesced,
+        std::time::Duration::from_nanos(s.attempt_duration.sum),
+    );
     let digests = env.digests(Side::Controller).await?;
     converged.push(summary(
         "running process (change cursor, woken by Bulk's segments)",
@@ -296,7 +309,7 @@ async fn explain(env: &Env, plan: &Plan) -> Result<Vec<Explained>, AnyError> {
     const ELIGIBLE: usize = 10;
     let q = |name| nexuscrm_formula::statement(Dialect::Postgres, name);
     let now = nexuscrm_persistence::support::to_ms(std::time::SystemTime::now());
-    let statements: [(&'static str, &'static str, String); 8] = [
+    let statements: [(&'static str, &'static str, String); 7] = [
         (
             "claim",
             q("claim"),
@@ -311,7 +324,6 @@ async fn explain(env: &Env, plan: &Plan) -> Result<Vec<Explained>, AnyError> {
         ),
         ("sweep_records", q("sweep_records"), "('r-5', 1000)".into()),
         ("sweep_view", q("sweep_view"), "('r-5', 1000)".into()),
-        ("sweep_values", q("sweep_values"), "('r-5', 'r-6')".into()),
         (
             "sweep_rollup_bound",
             q("sweep_rollup_bound"),
@@ -368,7 +380,20 @@ async fn explain(env: &Env, plan: &Plan) -> Result<Vec<Explained>, AnyError> {
             q("sweep_rollup_canonical"),
             format!("('', '{upper}')"),
         );
-        for (name, sql, args) in statements.iter().chain(std::iter::once(&rollup)) {
+        // The value rows of one chunk: the view's keys after 'r-5' up to the chunk's last.
+        let last: String = sqlx::query_scalar(
+            "SELECT record_key FROM formula_record WHERE record_key > 'r-5' \
+             ORDER BY record_key LIMIT 1 OFFSET 999",
+        )
+        .fetch_optional(&mut c)
+        .await?
+        .unwrap_or_else(|| "r-999999999".into());
+        let values = (
+            "sweep_values",
+            q("sweep_values"),
+            format!("('r-5', '{last}')"),
+        );
+        for (name, sql, args) in statements.iter().chain([&values, &rollup]) {
             let (text, seq, buffers, ms) = explain_one(&mut c, sql, args).await?;
             out.push(Explained {
                 family: "formula",

@@ -23,6 +23,32 @@ const INGEST: i64 = 1000;
 const MARK: i64 = 1000;
 /// Rows per multi-row statement.
 const ROWS_PER_STATEMENT: usize = 100;
+/// The name prefix of a skipped change-log id's row in `formula_cursor` (its position is the
+/// time it was first skipped).
+const GAP_PREFIX: &str = "gap:";
+/// How long a skipped change-log id is looked for (a writer's transaction is far shorter; an
+/// id missing for longer was rolled back, or the sweep finds its record).
+const GAP_TTL_MS: i64 = 60_000;
+/// The most skipped ids remembered at once (a cluster whose auto-increment steps by its node
+/// count skips ids by design; the rest are the sweep's).
+const GAP_MAX: usize = 256;
+
+/// The ids between `position` and the last of `changes` that `changes` skips (allocated to a
+/// writer that has not committed yet, or rolled back): the newest `room` of them.
+fn note_gaps(position: i64, changes: &[(i64, String)], room: usize) -> Vec<i64> {
+    let mut out = Vec::new();
+    let mut expected = position + 1;
+    for (id, _) in changes {
+        // Only the newest `room` ids of a gap can be kept: no huge gap is walked id by id.
+        let from = expected.max(id - room as i64);
+        out.extend(from..*id);
+        if out.len() > room {
+            out.drain(..out.len() - room);
+        }
+        expected = expected.max(id + 1);
+    }
+    out
+}
 
 /// `(p, p, …)` of `n` placeholders, numbered from `start` on PostgreSQL.
 fn list(dialect: Dialect, start: usize, n: usize) -> String {
@@ -679,18 +705,33 @@ impl FormulaSource {
 /// The claim's first half, under the cursor's row lock: change-log entries after the cursor
 /// mark their records due, and after a definition change a bounded batch of records derived
 /// under an older epoch is marked.
+///
+/// Change-log ids are allocated when a writer inserts, not when it commits, so a writer can
+/// commit an id below one the cursor has already passed (two Bulk segments in flight: the one
+/// with the higher ids commits first). The cursor therefore remembers every id it skipped
+/// ([`note_gaps`]) as a `gap:<id>` row of `formula_cursor` (read by the same locking
+/// statement, so no gap costs nothing), looks those ids up again on every ingest while any are
+/// open, and marks the records of the ones that appeared; an id still missing after
+/// [`GAP_TTL_MS`] was a rolled-back insert (or a writer slower than that, which the
+/// convergence sweep covers) and is forgotten.
 async fn ingest(
     c: &mut AnyConnection,
     dialect: Dialect,
     q: &Queries,
     now: i64,
 ) -> Result<(), sqlx::Error> {
-    let cursors: HashMap<String, i64> = sqlx::query(q.get("cursor_lock"))
-        .fetch_all(&mut *c)
-        .await?
-        .iter()
-        .map(|r| Ok((text(r, 0)?, r.try_get::<i64, _>(1)?)))
-        .collect::<Result<_, sqlx::Error>>()?;
+    let rows = sqlx::query(q.get("cursor_lock")).fetch_all(&mut *c).await?;
+    let mut cursors: HashMap<String, i64> = HashMap::new();
+    let mut gaps: Vec<(i64, i64)> = Vec::new();
+    for r in &rows {
+        let (name, position) = (text(r, 0)?, r.try_get::<i64, _>(1)?);
+        match name.strip_prefix(GAP_PREFIX).map(str::parse::<i64>) {
+            Some(Ok(id)) => gaps.push((id, position)),
+            _ => {
+                cursors.insert(name, position);
+            }
+        }
+    }
     let position = match cursors.get("changes") {
         Some(p) => *p,
         None => {
@@ -704,12 +745,54 @@ async fn ingest(
             last
         }
     };
+    let mut keys: Vec<String> = Vec::new();
+    let mut closed: Vec<i64> = Vec::new();
+    if !gaps.is_empty() {
+        let ids: Vec<i64> = gaps.iter().map(|(id, _)| *id).collect();
+        let found = records::changes_with_ids(c, dialect, &ids).await?;
+        let found_ids: HashSet<i64> = found.iter().map(|(id, _)| *id).collect();
+        keys.extend(found.into_iter().map(|(_, k)| k));
+        closed.extend(
+            gaps.iter()
+                .filter(|(id, seen)| found_ids.contains(id) || *seen < now - GAP_TTL_MS)
+                .map(|(id, _)| *id),
+        );
+    }
     let changes = records::changes_after(c, dialect, position, INGEST).await?;
-    if let Some((last, _)) = changes.last() {
-        let mut keys: Vec<String> = changes.iter().map(|(_, k)| k.clone()).collect();
+    let open = gaps.len() - closed.len();
+    let opened = note_gaps(position, &changes, GAP_MAX.saturating_sub(open));
+    keys.extend(changes.iter().map(|(_, k)| k.clone()));
+    if !keys.is_empty() {
         keys.sort();
         keys.dedup();
         mark_due(c, dialect, q, &keys, now).await?;
+    }
+    for group in closed.chunks(ROWS_PER_STATEMENT) {
+        let sql = format!(
+            "{}{}",
+            q.get("cursor_delete_prefix"),
+            list(dialect, 1, group.len())
+        );
+        let mut query = sqlx::query(&sql);
+        for id in group {
+            query = query.bind(format!("{GAP_PREFIX}{id}"));
+        }
+        query.execute(&mut *c).await?;
+    }
+    for group in opened.chunks(ROWS_PER_STATEMENT) {
+        let sql = format!(
+            "{}{} {}",
+            q.get("cursor_insert_prefix"),
+            tuples(dialect, 1, group.len(), 2),
+            q.get("cursor_insert_suffix")
+        );
+        let mut query = sqlx::query(&sql);
+        for id in group {
+            query = query.bind(format!("{GAP_PREFIX}{id}")).bind(now);
+        }
+        query.execute(&mut *c).await?;
+    }
+    if let Some((last, _)) = changes.last() {
         sqlx::query(q.get("cursor_set"))
             .bind("changes")
             .bind(*last)
@@ -1128,5 +1211,28 @@ impl Attempt for FormulaAttempt {
             generation = self.formula.inner.fence.generation()
         );
         tracing::Instrument::instrument(self.execute(cancel), span).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::note_gaps;
+
+    fn log(ids: &[i64]) -> Vec<(i64, String)> {
+        ids.iter().map(|i| (*i, format!("k{i}"))).collect()
+    }
+
+    #[test]
+    fn the_ids_a_read_skips_are_noted_newest_first_kept_and_bounded() {
+        assert_eq!(note_gaps(10, &log(&[11, 12, 13]), 256), Vec::<i64>::new());
+        assert_eq!(note_gaps(10, &log(&[12, 13, 16]), 256), vec![11, 14, 15]);
+        assert_eq!(note_gaps(10, &log(&[]), 256), Vec::<i64>::new());
+        // Bounded by the room left, the newest kept.
+        assert_eq!(note_gaps(10, &log(&[12, 13, 16]), 2), vec![14, 15]);
+        assert_eq!(note_gaps(10, &log(&[12]), 0), Vec::<i64>::new());
+        // A huge gap (a rolled-back million-row insert) is not walked id by id.
+        let out = note_gaps(0, &log(&[5_000_000_001]), 256);
+        assert_eq!(out.len(), 256);
+        assert_eq!(*out.last().unwrap(), 5_000_000_000);
     }
 }

@@ -500,3 +500,91 @@ async fn an_idle_postgres_view_issues_no_statements_between_changes() {
     fx2.t.drop_database().await;
     fx.t.drop_database().await;
 }
+
+/// Change-log ids are allocated at insert and become visible at commit, so a writer can commit
+/// an id below one the cursor has already passed. The cursor remembers the id it skipped and
+/// finds the entry on a later claim: the record is rederived without waiting for a sweep.
+/// (SQLite has one writer at a time, so its ids always commit in order.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_committed_after_a_higher_id_is_still_found_by_the_cursor() {
+    use nexuscrm_worker::Source;
+    for d in [Dialect::Postgres, Dialect::Mysql] {
+        let Some(fx) = fx(d, "latecommit").await else {
+            continue;
+        };
+        let f = view(&fx);
+        f.define("weighted", "record.amount * 2", None)
+            .await
+            .unwrap();
+        apply(
+            &fx,
+            vec![opportunity(0, 10, "open"), opportunity(1, 20, "open")],
+        )
+        .await;
+        run_worker(&fx.t.db, 1, Faults::none(), |o| o)
+            .await
+            .unwrap();
+        // A writer allocates the next change id for opp-00000 and holds its transaction open
+        // (a Bulk segment slower than the next one) ...
+        let mut late = fx.t.db.pool().begin().await.unwrap();
+        sqlx::query(
+            "UPDATE crm_record SET revision = 2, data = '{\"amount\": 50, \"stage\": \"open\", \
+             \"probability\": 10, \"account\": \"acct-0\"}' WHERE record_key = 'opp-00000'",
+        )
+        .execute(&mut *late)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO crm_record_change (job_id, ordinal, record_key, revision, applied_at) \
+             VALUES (0, 0, 'opp-00000', 2, 0)",
+        )
+        .execute(&mut *late)
+        .await
+        .unwrap();
+        // ... while Bulk commits a higher id for opp-00001, and a worker drains past it.
+        apply(&fx, vec![opportunity(1, 30, "open")]).await;
+        run_worker(&fx.t.db, 2, Faults::none(), |o| o)
+            .await
+            .unwrap();
+        assert_eq!(
+            f.show("opp-00001").await.unwrap().unwrap().source_revision,
+            2
+        );
+        assert_eq!(
+            f.show("opp-00000").await.unwrap().unwrap().source_revision,
+            1
+        );
+        late.commit().await.unwrap();
+        // No sweep: one claim by the process that is running finds the late entry.
+        let owner = Formula::without_migrations(fx.t.db.clone(), options(2, Faults::none()));
+        let batch = owner
+            .source()
+            .claim(
+                std::num::NonZeroUsize::new(2).unwrap(),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap();
+        let keys: Vec<&str> = batch
+            .attempts()
+            .iter()
+            .flat_map(|a| a.keys())
+            .map(String::as_str)
+            .collect();
+        assert_eq!(keys, ["opp-00000"], "{d:?}: the late change is claimed");
+        drop(batch);
+        // Once found, the skipped id is forgotten: the cursor holds no gap rows any more.
+        let gaps: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM formula_cursor WHERE name LIKE 'gap:%'")
+                .fetch_one(fx.t.db.pool())
+                .await
+                .unwrap();
+        assert_eq!(gaps, 0, "{d:?}");
+        run_worker(&fx.t.db, 3, Faults::none(), |o| o)
+            .await
+            .unwrap();
+        let (got, want) = (observed(&fx.t.db).await, expected(&fx.t.db).await);
+        assert_eq!(got, want, "{d:?}");
+        fx.t.drop_database().await;
+    }
+}

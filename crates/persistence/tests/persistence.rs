@@ -89,6 +89,70 @@ async fn an_unreachable_server_is_reported_at_once_with_its_cause_and_no_secret(
     assert!(!e.to_string().contains("S3cret"), "{e}");
 }
 
+/// A statement prepared while its table was empty must not keep that table's plan once the
+/// table has grown: the pool's connections plan every execution with its parameters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_prepared_on_an_empty_table_is_replanned_after_the_table_grows() {
+    let Some(t) = TestDb::create(Dialect::Postgres, "replan").await else {
+        return;
+    };
+    let db = Db::connect_with(
+        &t.url,
+        nexuscrm_persistence::DbOptions::default().max_connections(1),
+    )
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE TABLE p_t (k VARCHAR(64) NOT NULL, f VARCHAR(8) NOT NULL, PRIMARY KEY (k, f))",
+    )
+    .execute(db.pool())
+    .await
+    .unwrap();
+    const DELETE: &str = "DELETE FROM p_t WHERE k IN ($1, $2, $3)";
+    // More than the five executions after which PostgreSQL would consider a generic plan.
+    for _ in 0..8 {
+        sqlx::query(DELETE)
+            .bind("a")
+            .bind("b")
+            .bind("c")
+            .execute(db.pool())
+            .await
+            .unwrap();
+    }
+    sqlx::query("INSERT INTO p_t SELECT 'r-' || g, 'x' FROM generate_series(1, 20000) g")
+        .execute(db.pool())
+        .await
+        .unwrap();
+    let done = sqlx::query(DELETE)
+        .bind("r-1")
+        .bind("r-2")
+        .bind("r-3")
+        .execute(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(done.rows_affected(), 3);
+    let (generic, custom): (i64, i64) = sqlx::query_as(
+        "SELECT CAST(generic_plans AS BIGINT), CAST(custom_plans AS BIGINT) \
+         FROM pg_prepared_statements WHERE statement = $1",
+    )
+    .bind(DELETE)
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        (generic, custom),
+        (0, 9),
+        "every execution planned with its parameters, none with a cached generic plan"
+    );
+    let mode: String = sqlx::query_scalar("SELECT current_setting('plan_cache_mode')")
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(mode, "force_custom_plan");
+    db.close().await;
+    t.drop_database().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_migrators_apply_each_migration_once_and_all_succeed() {
     for d in DIALECTS {

@@ -106,6 +106,38 @@ pub async fn changes_after(
         .collect()
 }
 
+/// The change-log entries among `ids` that exist (committed and visible to the caller), as
+/// `(id, record key)` in id order. How a cursor over the log finds an entry whose id was
+/// allocated before an entry it already read but whose transaction committed after it.
+///
+/// # Errors
+///
+/// The statement's error.
+pub async fn changes_with_ids(
+    c: &mut AnyConnection,
+    dialect: Dialect,
+    ids: &[i64],
+) -> Result<Vec<(i64, String)>, sqlx::Error> {
+    let q = queries(dialect);
+    let mut out = Vec::new();
+    for group in ids.chunks(KEYS_PER_STATEMENT) {
+        let sql = format!(
+            "{} ({})",
+            q.get("changes_with_ids_prefix"),
+            placeholders(dialect, group.len())
+        );
+        let mut query = sqlx::query(&sql);
+        for id in group {
+            query = query.bind(*id);
+        }
+        for row in query.fetch_all(&mut *c).await? {
+            out.push((row.try_get(0)?, text(&row, 1)?));
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
 /// The newest change-log id (0 when the log is empty).
 ///
 /// # Errors

@@ -28,6 +28,12 @@ SELECT name, position FROM formula_cursor ORDER BY name FOR UPDATE
 INSERT INTO formula_cursor (name, position) VALUES (?, ?) ON DUPLICATE KEY UPDATE position = VALUES(position)
 -- name: cursor_init
 INSERT IGNORE INTO formula_cursor (name, position) VALUES (?, ?)
+-- name: cursor_insert_prefix
+INSERT IGNORE INTO formula_cursor (name, position) VALUES
+-- name: cursor_insert_suffix
+
+-- name: cursor_delete_prefix
+DELETE FROM formula_cursor WHERE name IN
 
 -- Marking records due (multi-row; a claimed row is taken back, its attempt's writes then miss).
 -- name: due_upsert_prefix

@@ -28,6 +28,12 @@ SELECT name, position FROM formula_cursor ORDER BY name FOR UPDATE
 INSERT INTO formula_cursor (name, position) VALUES ($1, $2) ON CONFLICT (name) DO UPDATE SET position = excluded.position
 -- name: cursor_init
 INSERT INTO formula_cursor (name, position) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING
+-- name: cursor_insert_prefix
+INSERT INTO formula_cursor (name, position) VALUES
+-- name: cursor_insert_suffix
+ON CONFLICT (name) DO NOTHING
+-- name: cursor_delete_prefix
+DELETE FROM formula_cursor WHERE name IN
 
 -- Marking records due (multi-row; a claimed row is taken back, its attempt's writes then miss).
 -- name: due_upsert_prefix
@@ -96,12 +102,16 @@ SELECT (SELECT MAX(id) FROM crm_record_change), (SELECT version FROM formula_epo
 -- (canonical records missing or stale in the view; view rows whose record is gone), the
 -- value rows of the chunk, and the roll-up against its canonical aggregate per account.
 -- name: sweep_records
+-- The join repeats the lower bound for formula_record: without it PostgreSQL may pick a merge
+-- join whose inner index scan starts at the first key of the table, reading every entry
+-- before the chunk (the evidence report's plan at 10^6 records showed 445,446 rows read).
 SELECT r.record_key, r.revision, f.source_revision, f.epoch, f.due_at FROM crm_record r
-LEFT JOIN formula_record f ON f.record_key = r.record_key
+LEFT JOIN formula_record f ON f.record_key = r.record_key AND f.record_key > $1
 WHERE r.record_key > $1 ORDER BY r.record_key LIMIT $2
 -- name: sweep_view
+-- The join repeats the lower bound for crm_record, as sweep_records does for formula_record.
 SELECT f.record_key, f.source_revision, f.epoch, f.due_at, r.revision FROM formula_record f
-LEFT JOIN crm_record r ON r.record_key = f.record_key
+LEFT JOIN crm_record r ON r.record_key = f.record_key AND r.record_key > $1
 WHERE f.record_key > $1 ORDER BY f.record_key LIMIT $2
 -- name: sweep_values
 SELECT record_key, formula, value, error, source_revision, definition_version, digest FROM formula_value

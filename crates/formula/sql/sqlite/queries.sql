@@ -28,6 +28,12 @@ SELECT name, position FROM formula_cursor ORDER BY name
 INSERT INTO formula_cursor (name, position) VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET position = excluded.position
 -- name: cursor_init
 INSERT INTO formula_cursor (name, position) VALUES (?, ?) ON CONFLICT (name) DO NOTHING
+-- name: cursor_insert_prefix
+INSERT INTO formula_cursor (name, position) VALUES
+-- name: cursor_insert_suffix
+ON CONFLICT (name) DO NOTHING
+-- name: cursor_delete_prefix
+DELETE FROM formula_cursor WHERE name IN
 
 -- Marking records due (multi-row; a claimed row is taken back, its attempt's writes then miss).
 -- name: due_upsert_prefix

@@ -7,3 +7,5 @@ SELECT record_key, revision, data FROM crm_record WHERE record_key IN
 SELECT id, record_key FROM crm_record_change WHERE id > ? ORDER BY id LIMIT ?
 -- name: change_max
 SELECT MAX(id) FROM crm_record_change
+-- name: changes_with_ids_prefix
+SELECT id, record_key FROM crm_record_change WHERE id IN
