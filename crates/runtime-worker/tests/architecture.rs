@@ -5,6 +5,8 @@
 //! - no family crate depends on another family crate; a family that derives from another's
 //!   records depends on the records domain (`nexuscrm-records`), which depends on persistence
 //!   only; persistence depends on no family or domain;
+//! - the audit outbox (whose `record` families call in their transactions) depends on no
+//!   family or domain;
 //! - production code (controller, persistence, families, the process) never depends on the
 //!   conformance kit outside `[dev-dependencies]`;
 //! - every workspace member is classified here, so a new crate must say what it is.
@@ -23,6 +25,9 @@ enum Role {
     /// on instead of on the family that writes it; it depends on persistence only.
     Domain,
     Family,
+    /// A family whose write API other families call inside their own transactions (the audit
+    /// outbox); it depends on persistence and the controller only, never on a family.
+    Outbox,
     Process,
     /// A measurement tool run by hand and in CI, never deployed (it reuses the kit's counting
     /// wrapper on purpose).
@@ -36,6 +41,7 @@ fn role(name: &str) -> Option<Role> {
         "nexuscrm-persistence" => Role::Persistence,
         "nexuscrm-records" => Role::Domain,
         "nexuscrm-bulk" | "nexuscrm-flow" | "nexuscrm-paused" | "nexuscrm-formula" => Role::Family,
+        "nexuscrm-audit" => Role::Outbox,
         "nexuscrm-runtime-worker" => Role::Process,
         "nexuscrm-evidence" | "nexuscrm-chaos" => Role::Tool,
         _ => return None,
@@ -82,12 +88,22 @@ fn violations(metadata: &Value) -> Vec<String> {
             if me == Role::Persistence && matches!(theirs, Some(Role::Family | Role::Domain)) {
                 out.push(format!("persistence depends on {dep}"));
             }
+            if me == Role::Outbox
+                && matches!(theirs, Some(Role::Family | Role::Domain | Role::Outbox))
+            {
+                out.push(format!("outbox {name} depends on {dep}"));
+            }
             if me == Role::Domain && matches!(theirs, Some(Role::Family | Role::Domain)) {
                 out.push(format!("domain {name} depends on {dep}"));
             }
             let production = matches!(
                 me,
-                Role::Controller | Role::Persistence | Role::Domain | Role::Family | Role::Process
+                Role::Controller
+                    | Role::Persistence
+                    | Role::Domain
+                    | Role::Family
+                    | Role::Outbox
+                    | Role::Process
             );
             if production && theirs == Some(Role::Kit) {
                 out.push(format!(

@@ -1,0 +1,333 @@
+//! The audit outbox against real SQLite files, PostgreSQL and MariaDB and a real file sink:
+//! events commit with their change, are delivered exactly once in per-subject order through a
+//! crash at every point, a torn line is recovered, and a newer generation takes delivery over.
+
+use std::collections::{BTreeMap, HashSet};
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use nexuscrm_audit::{Audit, AuditEvent, AuditOptions, JsonlSink, Line, read_lines, record};
+use nexuscrm_persistence::sqlx;
+use nexuscrm_persistence::testing::TestDb;
+use nexuscrm_persistence::{Db, Dialect};
+use nexuscrm_worker::fault::{CrashPoint, Faults};
+use nexuscrm_worker::{Config, Controller};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const DIALECTS: [Dialect; 3] = [Dialect::Sqlite, Dialect::Postgres, Dialect::Mysql];
+
+fn sink_path(label: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "nexuscrm-audit-{label}-{}-{}",
+        std::process::id(),
+        nexuscrm_persistence::support::new_token()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("audit.jsonl")
+}
+
+async fn setup(d: Dialect, label: &str) -> Option<(TestDb, JsonlSink)> {
+    let t = TestDb::create(d, label).await?;
+    nexuscrm_audit::migrate(&t.db).await.unwrap();
+    sqlx::query("CREATE TABLE a_change (subject VARCHAR(64) NOT NULL, n BIGINT NOT NULL)")
+        .execute(t.db.pool())
+        .await
+        .unwrap();
+    Some((t, JsonlSink::new(sink_path(label))))
+}
+
+/// Writes `n` changes (subjects `s-0`..`s-4` in turn), each with its event, one transaction
+/// per 10; and one rolled-back transaction whose event must never appear.
+async fn produce(db: &Db, from: usize, n: usize) {
+    let cancel = CancellationToken::new();
+    for start in (from..from + n).step_by(10) {
+        let end = (start + 10).min(from + n);
+        let dialect = db.dialect();
+        db.write(&cancel, move |c| {
+            Box::pin(async move {
+                let mut events = Vec::new();
+                for i in start..end {
+                    let subject = format!("s-{}", i % 5);
+                    sqlx::query(
+                        "INSERT INTO a_change (subject, n) VALUES ($1, $2)"
+                            .replace_placeholders(dialect)
+                            .as_str(),
+                    )
+                    .bind(subject.clone())
+                    .bind(i as i64)
+                    .execute(&mut *c)
+                    .await?;
+                    events.push(AuditEvent::new(
+                        format!("ev-{i}"),
+                        subject,
+                        "change.applied",
+                        "test",
+                        json!({ "n": i }),
+                    ));
+                }
+                record(c, dialect, &events).await
+            })
+        })
+        .await
+        .unwrap();
+    }
+    let dialect = db.dialect();
+    let r: Result<(), _> = db
+        .write(&cancel, move |c| {
+            Box::pin(async move {
+                record(
+                    c,
+                    dialect,
+                    &[AuditEvent::new(
+                        "ev-rolled-back",
+                        "s-0",
+                        "change.applied",
+                        "test",
+                        json!({}),
+                    )],
+                )
+                .await?;
+                Err(sqlx::Error::Protocol("the change failed".into()))
+            })
+        })
+        .await;
+    assert!(r.is_err());
+}
+
+trait Placeholders {
+    fn replace_placeholders(&self, d: Dialect) -> String;
+}
+
+impl Placeholders for str {
+    fn replace_placeholders(&self, d: Dialect) -> String {
+        if d == Dialect::Postgres {
+            self.to_owned()
+        } else {
+            self.replace("$1", "?").replace("$2", "?")
+        }
+    }
+}
+
+fn options(sink: &JsonlSink, generation: i64, faults: Faults) -> AuditOptions {
+    AuditOptions::new(sink.clone())
+        .generation(generation)
+        .batch(7)
+        .lease(Duration::from_secs(30))
+        .faults(faults)
+}
+
+/// Runs one delivery "process" until the outbox is empty (`Ok`) or its crash fires (`Err`).
+async fn run(db: &Db, sink: &JsonlSink, generation: i64, faults: Faults) -> Result<(), String> {
+    let audit = Audit::without_migrations(db.clone(), options(sink, generation, faults.clone()));
+    audit
+        .take_ownership("test")
+        .await
+        .map_err(|e| e.to_string())?;
+    let ctl = Controller::new(
+        audit.source(),
+        Config::new("audit")
+            .capacity(NonZeroUsize::new(1).unwrap())
+            .shutdown_timeout(Duration::from_secs(20)),
+    )
+    .unwrap();
+    audit.set_waker(ctl.waker());
+    let cancel = CancellationToken::new();
+    let mut task = tokio::spawn(ctl.run(cancel.clone()));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        tokio::select! {
+            r = &mut task => {
+                return match r.unwrap() {
+                    Err(e) if faults.is_crashed() => Err(format!("crashed: {e}")),
+                    other => panic!("the audit controller stopped: {other:?}"),
+                };
+            }
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+        if faults.is_crashed() {
+            cancel.cancel();
+            let _ = task.await;
+            return Err("crashed".into());
+        }
+        if audit.observations().await.unwrap().undelivered == 0 {
+            cancel.cancel();
+            task.await.unwrap().map_err(|e| e.to_string())?;
+            return Ok(());
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "audit did not drain"
+        );
+    }
+}
+
+/// Every committed event is in the file exactly once, no other line is, and each subject's
+/// events are in the order they were written.
+async fn assert_delivered_once(db: &Db, sink: &JsonlSink, n: usize, what: &str) {
+    let lines: Vec<Line> = read_lines(sink).unwrap();
+    let ids: Vec<&str> = lines.iter().map(|l| l.event_id.as_str()).collect();
+    let unique: HashSet<&str> = ids.iter().copied().collect();
+    assert_eq!(
+        unique.len(),
+        ids.len(),
+        "{what}: a line was delivered twice"
+    );
+    let want: HashSet<String> = (0..n).map(|i| format!("ev-{i}")).collect();
+    let got: HashSet<String> = unique.iter().map(|s| (*s).to_owned()).collect();
+    assert_eq!(got, want, "{what}: every committed event, and only those");
+    let mut per_subject: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for l in &lines {
+        per_subject
+            .entry(&l.subject)
+            .or_default()
+            .push(l.body["n"].as_i64().unwrap());
+    }
+    for (s, ns) in per_subject {
+        assert!(
+            ns.windows(2).all(|w| w[0] < w[1]),
+            "{what}: {s} out of order: {ns:?}"
+        );
+    }
+    // No event exists without its change, nor a change without its event.
+    let changes: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM a_change")
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    let events: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM audit_event")
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!((changes, events), (n as i64, n as i64), "{what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_commit_with_their_change_and_are_delivered_once_in_subject_order() {
+    for d in DIALECTS {
+        let Some((t, sink)) = setup(d, "once").await else {
+            continue;
+        };
+        produce(&t.db, 0, 40).await;
+        run(&t.db, &sink, 1, Faults::none()).await.unwrap();
+        assert_delivered_once(&t.db, &sink, 40, &format!("{d:?}")).await;
+        // More events later: appended after, still once.
+        produce(&t.db, 40, 25).await;
+        run(&t.db, &sink, 2, Faults::none()).await.unwrap();
+        assert_delivered_once(&t.db, &sink, 65, &format!("{d:?} second run")).await;
+        let audit = Audit::without_migrations(t.db.clone(), options(&sink, 1, Faults::none()));
+        assert_eq!(audit.observations().await.unwrap().undelivered, 0);
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_at_every_point_delivers_every_event_exactly_once_after_recovery() {
+    let points = [
+        CrashPoint::AfterClaim,
+        CrashPoint::BeforeEffect,
+        CrashPoint::AfterEffect,
+        CrashPoint::BeforeDisposition,
+        CrashPoint::AfterDisposition,
+    ];
+    for d in DIALECTS {
+        for point in points {
+            let Some((t, sink)) = setup(d, "crash").await else {
+                continue;
+            };
+            // Ten events delivered cleanly, then twenty more, and a process that crashes at
+            // `point` on its first batch.
+            produce(&t.db, 0, 10).await;
+            run(&t.db, &sink, 1, Faults::none()).await.unwrap();
+            produce(&t.db, 10, 20).await;
+            let faults = Faults::new();
+            faults.arm(point);
+            let r = run(&t.db, &sink, 2, faults.clone()).await;
+            assert!(r.is_err(), "{d:?}: the crash at {point:?} fired");
+            assert_eq!(faults.fired(), Some(point));
+            // A fresh process (a newer generation: it takes the lease over at once).
+            run(&t.db, &sink, 3, Faults::none()).await.unwrap();
+            assert_delivered_once(&t.db, &sink, 30, &format!("{d:?} crash {point:?}")).await;
+            t.drop_database().await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_torn_last_line_is_truncated_and_its_events_delivered_once() {
+    let Some((t, sink)) = setup(Dialect::Sqlite, "torn").await else {
+        return;
+    };
+    produce(&t.db, 0, 10).await;
+    run(&t.db, &sink, 1, Faults::none()).await.unwrap();
+    produce(&t.db, 10, 10).await;
+    // A crash in the middle of writing a line: half a line at the end of the file.
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(sink.path())
+        .unwrap();
+    f.write_all(br#"{"seq":11,"event_id":"ev-10","subj"#)
+        .unwrap();
+    drop(f);
+    run(&t.db, &sink, 2, Faults::none()).await.unwrap();
+    assert_delivered_once(&t.db, &sink, 20, "torn").await;
+    let text = std::fs::read_to_string(sink.path()).unwrap();
+    assert!(text.ends_with('\n') && !text.contains("\"subj{"), "{text}");
+    t.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_file_rotates_by_size_and_no_event_is_lost_or_repeated_across_files() {
+    let Some((t, sink)) = setup(Dialect::Sqlite, "rotate").await else {
+        return;
+    };
+    let sink = sink.max_bytes(2048).keep(50);
+    produce(&t.db, 0, 100).await;
+    run(&t.db, &sink, 1, Faults::none()).await.unwrap();
+    assert!(sink.rotated(1).exists(), "rotated at 2 KiB");
+    assert_delivered_once(&t.db, &sink, 100, "rotation").await;
+    t.drop_database().await;
+}
+
+#[tokio::test]
+async fn bad_events_and_an_unwritable_sink_are_clear_errors() {
+    let Some((t, sink)) = setup(Dialect::Sqlite, "bad").await else {
+        return;
+    };
+    let dialect = t.db.dialect();
+    let r =
+        t.db.write(&CancellationToken::new(), move |c| {
+            Box::pin(async move {
+                record(c, dialect, &[AuditEvent::new("", "s", "k", "a", json!({}))]).await
+            })
+        })
+        .await;
+    assert!(
+        r.unwrap_err()
+            .to_string()
+            .contains("event id must be 1 to 191 bytes")
+    );
+    // The same event id twice is refused, not delivered twice.
+    let r =
+        t.db.write(&CancellationToken::new(), move |c| {
+            Box::pin(async move {
+                let e = AuditEvent::new("dup", "s", "k", "a", json!({}));
+                record(c, dialect, std::slice::from_ref(&e)).await?;
+                record(c, dialect, &[e]).await
+            })
+        })
+        .await;
+    assert!(r.is_err());
+    let bad = JsonlSink::new("/nonexistent-dir/for/audit.jsonl");
+    let e = Audit::open(t.db.clone(), AuditOptions::new(bad))
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("cannot open audit file /nonexistent-dir"),
+        "{e}"
+    );
+    drop(sink);
+    t.drop_database().await;
+}
