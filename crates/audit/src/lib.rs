@@ -25,7 +25,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::{self, AnyConnection, Row};
-use nexuscrm_persistence::support::{from_ms, new_token, text, to_ms};
+use nexuscrm_persistence::support::{from_ms, new_token, placeholders, text, to_ms};
 use nexuscrm_persistence::{
     Db, DbError, Dialect, DialectQueries, Fence, Migration, Queries, family,
 };
@@ -160,7 +160,7 @@ pub async fn record(
         let sql = format!(
             "{}{}",
             queries(dialect).get("record_prefix"),
-            tuples(dialect, group.len(), 6)
+            placeholders(dialect, 1, group.len(), 6)
         );
         let mut q = sqlx::query(&sql);
         for e in group {
@@ -175,29 +175,6 @@ pub async fn record(
         q.execute(&mut *c).await?;
     }
     Ok(())
-}
-
-/// `rows` tuples of `cols` placeholders.
-fn tuples(dialect: Dialect, rows: usize, cols: usize) -> String {
-    let mut out = String::with_capacity(rows * cols * 5);
-    let mut n = 0;
-    for r in 0..rows {
-        out.push_str(if r == 0 { " (" } else { ", (" });
-        for c in 0..cols {
-            if c > 0 {
-                out.push_str(", ");
-            }
-            if dialect == Dialect::Postgres {
-                n += 1;
-                out.push('$');
-                out.push_str(&n.to_string());
-            } else {
-                out.push('?');
-            }
-        }
-        out.push(')');
-    }
-    out
 }
 
 /// The audit family's settings.
@@ -475,7 +452,7 @@ impl Source for AuditSource {
             inner.lease.as_millis() as i64,
             inner.batch as i64,
         );
-        let rows: Option<Vec<Line>> = family::fenced(
+        let rows: Option<(Vec<Line>, bool)> = family::fenced(
             &inner.db,
             &inner.fence,
             &inner.clock,
@@ -520,7 +497,8 @@ impl Source for AuditSource {
                             .execute(&mut *c)
                             .await?;
                     }
-                    Ok(Some(lines))
+                    // Taken from another holder: its last batch may be in the sink unmarked.
+                    Ok(Some((lines, current != holder)))
                 })
             },
         )
@@ -529,7 +507,10 @@ impl Source for AuditSource {
             .faults
             .hit(CrashPoint::AfterClaim)
             .map_err(SourceError::new)?;
-        let lines = rows.unwrap_or_default();
+        let (lines, taken_over) = rows.unwrap_or_default();
+        if taken_over {
+            inner.recovered.store(false, Ordering::Release);
+        }
         if lines.is_empty() {
             return Ok(ClaimBatch::done(Vec::new()));
         }
@@ -610,17 +591,11 @@ impl AuditAttempt {
                 let ids = ids.clone();
                 Box::pin(async move {
                     for group in ids.chunks(EVENTS_PER_STATEMENT) {
-                        let list = (0..group.len())
-                            .map(|i| {
-                                if dialect == Dialect::Postgres {
-                                    format!("${}", i + 2)
-                                } else {
-                                    "?".into()
-                                }
-                            })
-                            .collect::<Vec<_>>()
-                            .join(", ");
-                        let sql = format!("{} ({list})", q.get("delivered_prefix"));
+                        let sql = format!(
+                            "{}{}",
+                            q.get("delivered_prefix"),
+                            placeholders(dialect, 2, 1, group.len())
+                        );
                         let mut query = sqlx::query(&sql).bind(now);
                         for id in group {
                             query = query.bind(id.as_str());
@@ -643,6 +618,14 @@ impl AuditAttempt {
 
     async fn deliver(&self, cancel: &CancellationToken) -> Result<(), AttemptError> {
         let inner = &self.audit.inner;
+        if cancel.is_cancelled() {
+            // Shutting down before anything was written: the batch stays undelivered.
+            return Ok(());
+        }
+        // From here on the batch runs to its mark even if shutdown begins: a short write and
+        // one transaction, inside the controller's drain bound (past it the controller stops
+        // waiting and reports the attempt abandoned; the next holder reads the tail).
+        let cancel = &CancellationToken::new();
         let faults = &inner.faults;
         faults
             .hit(CrashPoint::BeforeEffect)

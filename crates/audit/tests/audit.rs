@@ -41,9 +41,14 @@ async fn setup(d: Dialect, label: &str) -> Option<(TestDb, JsonlSink)> {
 /// Writes `n` changes (subjects `s-0`..`s-4` in turn), each with its event, one transaction
 /// per 10; and one rolled-back transaction whose event must never appear.
 async fn produce(db: &Db, from: usize, n: usize) {
+    produce_in(db, from, n, 10).await;
+}
+
+/// [`produce`] with `per_tx` changes per transaction.
+async fn produce_in(db: &Db, from: usize, n: usize, per_tx: usize) {
     let cancel = CancellationToken::new();
-    for start in (from..from + n).step_by(10) {
-        let end = (start + 10).min(from + n);
+    for start in (from..from + n).step_by(per_tx) {
+        let end = (start + per_tx).min(from + n);
         let dialect = db.dialect();
         db.write(&cancel, move |c| {
             Box::pin(async move {
@@ -330,4 +335,218 @@ async fn bad_events_and_an_unwritable_sink_are_clear_errors() {
     );
     drop(sink);
     t.drop_database().await;
+}
+
+/// How many events the replica test delivers: 100,000 with `NEXUSCRM_AUDIT_EVENTS=100000`
+/// (the documented full-size run), 3,000 by default (CI, on each backend).
+fn replica_events() -> usize {
+    std::env::var("NEXUSCRM_AUDIT_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3_000)
+}
+
+/// One replica: a controller over its own handle (same database, same sink, same generation).
+fn spawn_replica(
+    db: &Db,
+    sink: &JsonlSink,
+    faults: Faults,
+    cancel: &CancellationToken,
+) -> tokio::task::JoinHandle<Result<(), String>> {
+    spawn_replica_handle(db, sink, faults, cancel).1
+}
+
+/// [`spawn_replica`], also returning the replica's handle (to wake it).
+fn spawn_replica_handle(
+    db: &Db,
+    sink: &JsonlSink,
+    faults: Faults,
+    cancel: &CancellationToken,
+) -> (Audit, tokio::task::JoinHandle<Result<(), String>>) {
+    let audit = Audit::without_migrations(
+        db.clone(),
+        AuditOptions::new(sink.clone())
+            .generation(1)
+            .batch(100)
+            .lease(Duration::from_secs(1))
+            .faults(faults),
+    );
+    let ctl = Controller::new(
+        audit.source(),
+        Config::new("audit")
+            .capacity(NonZeroUsize::new(1).unwrap())
+            .shutdown_timeout(Duration::from_secs(20)),
+    )
+    .unwrap();
+    audit.set_waker(ctl.waker());
+    let cancel = cancel.clone();
+    let handle = audit.clone();
+    let task = tokio::spawn(async move {
+        audit
+            .take_ownership("test")
+            .await
+            .map_err(|e| e.to_string())?;
+        ctl.run(cancel).await.map(drop).map_err(|e| e.to_string())
+    });
+    (handle, task)
+}
+
+async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !done().await {
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_replica_taking_delivery_back_from_a_crashed_one_reads_the_tail_again() {
+    for d in DIALECTS {
+        let Some((t, sink)) = setup(d, "back").await else {
+            continue;
+        };
+        let cancel = CancellationToken::new();
+        // Replica A delivers (and has read the tail once), then goes idle.
+        produce(&t.db, 0, 20).await;
+        let (a, a_task) = spawn_replica_handle(&t.db, &sink, Faults::none(), &cancel);
+        let probe = Audit::without_migrations(t.db.clone(), options(&sink, 1, Faults::none()));
+        wait_for(&format!("{d:?}: A delivers"), async || {
+            probe.observations().await.unwrap().undelivered == 0
+        })
+        .await;
+        // Replica B takes the lease when A's runs out, writes a batch and crashes unmarked.
+        produce(&t.db, 20, 20).await;
+        let faults = Faults::new();
+        faults.arm(CrashPoint::AfterEffect);
+        let b_task = spawn_replica(&t.db, &sink, faults.clone(), &cancel);
+        wait_for(&format!("{d:?}: B crashes"), async || faults.is_crashed()).await;
+        assert!(b_task.await.unwrap().is_err());
+        // A takes delivery back after B's lease: it must read the tail again, not rewrite it.
+        a.wake();
+        wait_for(&format!("{d:?}: A delivers again"), async || {
+            probe.observations().await.unwrap().undelivered == 0
+        })
+        .await;
+        cancel.cancel();
+        a_task.await.unwrap().unwrap();
+        assert_delivered_once(&t.db, &sink, 40, &format!("{d:?} taken back")).await;
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_replicas_deliver_every_event_once_in_subject_order_after_two_crashed_holders() {
+    let n = replica_events();
+    for d in DIALECTS {
+        let Some((t, sink)) = setup(d, "replicas").await else {
+            continue;
+        };
+        let cancel = CancellationToken::new();
+        // Replica 0 takes the first batch and crashes after writing it, before marking it.
+        produce_in(&t.db, 0, 50, 50).await;
+        let first = Faults::new();
+        first.arm(CrashPoint::AfterEffect);
+        let r0 = spawn_replica(&t.db, &sink, first.clone(), &cancel);
+        wait_for(&format!("{d:?}: replica 0 crashes"), async || {
+            first.is_crashed()
+        })
+        .await;
+        assert!(
+            r0.await.unwrap().is_err(),
+            "{d:?}: replica 0 stopped on its crash"
+        );
+        assert!(
+            !read_lines(&sink).unwrap().is_empty(),
+            "{d:?}: the batch was written"
+        );
+        // Its restart takes over once the lease runs out, reads the tail, and crashes before
+        // marking its own first batch.
+        produce_in(&t.db, 50, 50, 50).await;
+        let second = Faults::new();
+        second.arm(CrashPoint::BeforeDisposition);
+        let r1 = spawn_replica(&t.db, &sink, second.clone(), &cancel);
+        wait_for(&format!("{d:?}: replica 1 crashes"), async || {
+            second.is_crashed()
+        })
+        .await;
+        assert!(
+            r1.await.unwrap().is_err(),
+            "{d:?}: replica 1 stopped on its crash"
+        );
+        // Four replicas deliver the rest while the producer writes it.
+        let replicas: Vec<_> = (0..4)
+            .map(|_| spawn_replica(&t.db, &sink, Faults::none(), &cancel))
+            .collect();
+        produce_in(&t.db, 100, n - 100, 50).await;
+        let audit =
+            Audit::without_migrations(t.db.clone(), AuditOptions::new(sink.clone()).generation(1));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        while audit.observations().await.unwrap().undelivered > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{d:?}: the replicas did not drain: {:?}",
+                audit.observations().await
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        cancel.cancel();
+        for r in replicas {
+            r.await.unwrap().unwrap();
+        }
+        assert_delivered_once(&t.db, &sink, n, &format!("{d:?} 4 replicas")).await;
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_that_is_down_loses_nothing_and_gets_every_event_when_it_returns() {
+    for d in DIALECTS {
+        let Some((t, _)) = setup(d, "down").await else {
+            continue;
+        };
+        let dir = sink_path("down").parent().unwrap().to_path_buf();
+        let sink = JsonlSink::new(dir.join("sink").join("audit.jsonl"));
+        std::fs::create_dir_all(dir.join("sink")).unwrap();
+        produce(&t.db, 0, 20).await;
+        run(&t.db, &sink, 1, Faults::none()).await.unwrap();
+        // The sink goes away under a running controller: its directory is moved aside and a
+        // plain file stands in its place, so opening the sink fails.
+        let audit = Audit::without_migrations(t.db.clone(), options(&sink, 2, Faults::none()));
+        audit.take_ownership("test").await.unwrap();
+        let ctl = Controller::new(audit.source(), Config::new("audit")).unwrap();
+        audit.set_waker(ctl.waker());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(ctl.run(cancel.clone()));
+        std::fs::rename(dir.join("sink"), dir.join("away")).unwrap();
+        std::fs::write(dir.join("sink"), b"not a directory").unwrap();
+        produce(&t.db, 20, 20).await;
+        audit.wake();
+        // The write fails: the controller stops (a supervisor restarts the process), the
+        // error names the file, and the events stay undelivered.
+        let e = tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .expect("the controller stopped on the failed write")
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("audit.jsonl"), "{d:?}: {e}");
+        assert_eq!(audit.observations().await.unwrap().undelivered, 20, "{d:?}");
+        // A restart while it is still down is refused at check_ready, still nothing lost.
+        let again = Audit::without_migrations(t.db.clone(), options(&sink, 3, Faults::none()));
+        again.take_ownership("test").await.unwrap();
+        let ctl = Controller::new(again.source(), Config::new("audit")).unwrap();
+        let e = ctl
+            .run(CancellationToken::new())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot open audit file"), "{d:?}: {e}");
+        assert_eq!(again.observations().await.unwrap().undelivered, 20);
+        // It returns: everything is delivered, once, after what it already held.
+        std::fs::remove_file(dir.join("sink")).unwrap();
+        std::fs::rename(dir.join("away"), dir.join("sink")).unwrap();
+        run(&t.db, &sink, 4, Faults::none()).await.unwrap();
+        assert_delivered_once(&t.db, &sink, 40, &format!("{d:?} sink down")).await;
+        t.drop_database().await;
+    }
 }

@@ -61,6 +61,7 @@ async fn apply_rows(
     job: i64,
     rows: &[(i64, String, String)],
     now: i64,
+    audit: bool,
 ) -> Result<i64, sqlx::Error> {
     let mut start = 0;
     while start < rows.len() {
@@ -118,6 +119,31 @@ async fn apply_rows(
                 .bind(now);
         }
         changes.execute(&mut *c).await?;
+        if audit {
+            // The audit trail commits (or rolls back) with the change it describes.
+            let at = nexuscrm_persistence::support::from_ms(now);
+            let mut events = Vec::with_capacity(group.len());
+            for (ordinal, key, fields) in group {
+                let rev = revision.get(key).copied().unwrap_or_default();
+                let fields: Value = serde_json::from_str(fields).unwrap_or(Value::Null);
+                events.push(
+                    nexuscrm_audit::AuditEvent::new(
+                        format!("bulk-{job}-{ordinal}-r{rev}"),
+                        key.as_str(),
+                        "record.applied",
+                        "bulk",
+                        serde_json::json!({
+                            "job": job,
+                            "ordinal": ordinal,
+                            "revision": rev,
+                            "fields": fields,
+                        }),
+                    )
+                    .at(at),
+                );
+            }
+            nexuscrm_audit::record(c, dialect, &events).await?;
+        }
         start = end;
     }
     Ok(rows.len() as i64)
@@ -415,6 +441,7 @@ impl BulkAttempt {
         let q = queries(dialect);
         let lease_ms = inner.cfg.lease.as_millis() as i64;
         let clock = inner.clock.clone();
+        let audit = inner.cfg.audit;
         let (id, token) = (self.job.id, self.token.clone());
         inner
             .db
@@ -473,7 +500,7 @@ impl BulkAttempt {
                             valid.push((ordinal, key, fields));
                         }
                     }
-                    applied += apply_rows(c, dialect, q, id, &valid, now).await?;
+                    applied += apply_rows(c, dialect, q, id, &valid, now, audit).await?;
                     let done = next >= total || rows.is_empty();
                     // The renewed lease counts from the commit, not from the segment's start.
                     let lease_until = to_ms(clock.now()) + lease_ms;

@@ -47,7 +47,11 @@ fn config(point: Option<CrashPoint>) -> BulkConfig {
     } else {
         1000
     };
-    test_config().lease(Duration::from_millis(lease))
+    // Every applied row also writes its audit event in the segment's transaction: recovery
+    // checks that the trail and the change log agree after every crash.
+    test_config()
+        .lease(Duration::from_millis(lease))
+        .audit(true)
 }
 
 fn bulk(worker: &Worker, generation: i64, cfg: BulkConfig) -> Bulk {
@@ -106,7 +110,12 @@ impl CrashFamily for BulkFamily {
                 .ok_or("test database unavailable")?;
             (t, Vec::new())
         };
-        Bulk::open(test.db.clone(), 1, BulkOptions::default()).await?;
+        Bulk::open(
+            test.db.clone(),
+            1,
+            BulkOptions::default().config(BulkConfig::default().audit(true)),
+        )
+        .await?;
         Ok(Fixture {
             test,
             nodes,
@@ -234,6 +243,9 @@ impl CrashFamily for BulkFamily {
         if a != want {
             return Err(format!("after {point}: {a:?}, want {want:?}").into());
         }
+        common::audit_matches_changes(db)
+            .await
+            .map_err(|e| format!("after {point}: the audit trail: {e}"))?;
         Ok(())
     }
 }

@@ -57,25 +57,7 @@ fn list(dialect: Dialect, start: usize, n: usize) -> String {
 
 /// `rows` tuples of `cols` placeholders, numbered from `start` on PostgreSQL.
 fn tuples(dialect: Dialect, start: usize, rows: usize, cols: usize) -> String {
-    let mut out = String::with_capacity(rows * cols * 5);
-    let mut n = start;
-    for r in 0..rows {
-        out.push_str(if r == 0 { " (" } else { ", (" });
-        for c in 0..cols {
-            if c > 0 {
-                out.push_str(", ");
-            }
-            if dialect == Dialect::Postgres {
-                out.push('$');
-                out.push_str(&n.to_string());
-                n += 1;
-            } else {
-                out.push('?');
-            }
-        }
-        out.push(')');
-    }
-    out
+    nexuscrm_persistence::support::placeholders(dialect, start, rows, cols)
 }
 
 /// Marks `keys` due at `now` (inserting view entries that do not exist yet, taking claimed

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sqlx::Row;
 use tokio_util::sync::CancellationToken;
 
-use crate::WriteError;
+use crate::{Dialect, WriteError};
 
 /// `t` as epoch milliseconds (the store's time unit); times before the epoch are 0.
 #[must_use]
@@ -174,6 +174,31 @@ pub fn new_token() -> String {
     format!("{:016x}{:016x}", a.finish(), b.finish())
 }
 
+/// ` (p, p), (p, p)`: `rows` tuples of `cols` bind placeholders for a multi-row statement,
+/// numbered from `start` on PostgreSQL (`$start`, `$start+1`, ...), `?` elsewhere.
+#[must_use]
+pub fn placeholders(dialect: Dialect, start: usize, rows: usize, cols: usize) -> String {
+    let mut out = String::with_capacity(rows * cols * 5);
+    let mut n = start;
+    for r in 0..rows {
+        out.push_str(if r == 0 { " (" } else { ", (" });
+        for c in 0..cols {
+            if c > 0 {
+                out.push_str(", ");
+            }
+            if dialect == Dialect::Postgres {
+                out.push('$');
+                out.push_str(&n.to_string());
+                n += 1;
+            } else {
+                out.push('?');
+            }
+        }
+        out.push(')');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,5 +210,15 @@ mod tests {
         let t = from_ms(1_700_000_000_123);
         assert_eq!(to_ms(t), 1_700_000_000_123);
         assert_eq!(to_ms(from_ms(-5)), 0);
+    }
+
+    #[test]
+    fn placeholders_number_from_start_on_postgres_only() {
+        assert_eq!(
+            placeholders(Dialect::Postgres, 2, 2, 2),
+            " ($2, $3), ($4, $5)"
+        );
+        assert_eq!(placeholders(Dialect::Mysql, 2, 2, 2), " (?, ?), (?, ?)");
+        assert_eq!(placeholders(Dialect::Sqlite, 1, 1, 3), " (?, ?, ?)");
     }
 }

@@ -76,6 +76,7 @@ pub(crate) enum Store {
     Flow(Flow),
     Paused(nexuscrm_paused::PausedFlow),
     Formula(nexuscrm_formula::Formula),
+    Audit(nexuscrm_audit::Audit),
 }
 
 impl Store {
@@ -180,6 +181,30 @@ impl Store {
                         "nexuscrm_formula_records_with_errors",
                         None,
                         o.records_with_errors as f64,
+                    ),
+                ];
+                Ok((json, g))
+            }
+            Store::Audit(audit) => {
+                let o = audit.observations().await.map_err(|e| e.to_string())?;
+                let lag = o
+                    .oldest_undelivered
+                    .and_then(|t| std::time::SystemTime::now().duration_since(t).ok());
+                let json = json!({
+                    "pending": o.undelivered, "undelivered": o.undelivered,
+                    "delivery_lag_ms": lag.map(|d| d.as_millis() as u64),
+                    "file": audit.sink().path().display().to_string(),
+                });
+                let g: Gauges = vec![
+                    (
+                        "nexuscrm_audit_undelivered_events",
+                        None,
+                        o.undelivered as f64,
+                    ),
+                    (
+                        "nexuscrm_audit_delivery_lag_seconds",
+                        None,
+                        lag.map_or(0.0, |d| d.as_secs_f64()),
                     ),
                 ];
                 Ok((json, g))

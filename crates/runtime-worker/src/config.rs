@@ -30,6 +30,48 @@ pub(crate) struct RawConfig {
     pub(crate) flow: Option<RawFlow>,
     pub(crate) paused: Option<RawPaused>,
     pub(crate) formula: Option<RawFormula>,
+    pub(crate) audit: Option<RawAudit>,
+}
+
+/// The `[audit]` table (the audit outbox and its JSON Lines file sink).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawAudit {
+    pub(crate) enabled: Option<bool>,
+    /// The JSON Lines file the trail is appended to.
+    pub(crate) file: Option<String>,
+    /// The size at which the file rotates.
+    pub(crate) max_bytes: Option<u64>,
+    /// Rotated files kept (`<file>.1` newest).
+    pub(crate) keep: Option<usize>,
+    /// Events per delivered batch (one fsync each).
+    pub(crate) batch: Option<usize>,
+    pub(crate) lease_secs: Option<f64>,
+    pub(crate) reconcile_interval_secs: Option<u64>,
+}
+
+/// The default audit file, beside the default database.
+pub(crate) const DEFAULT_AUDIT_FILE: &str = "nexuscrm-audit.jsonl";
+
+/// Validated `[audit]` settings.
+#[derive(Debug, Clone)]
+pub(crate) struct AuditSettings {
+    pub(crate) enabled: bool,
+    pub(crate) file: std::path::PathBuf,
+    pub(crate) max_bytes: u64,
+    pub(crate) keep: usize,
+    pub(crate) batch: usize,
+    pub(crate) lease: Duration,
+    pub(crate) reconcile_interval: Duration,
+}
+
+impl AuditSettings {
+    /// The file sink these settings describe.
+    pub(crate) fn sink(&self) -> nexuscrm_audit::JsonlSink {
+        nexuscrm_audit::JsonlSink::new(&self.file)
+            .max_bytes(self.max_bytes)
+            .keep(self.keep)
+    }
 }
 
 /// The `[formula]` table (Formula View).
@@ -125,6 +167,7 @@ pub(crate) struct Settings {
     pub(crate) flow: FlowSettings,
     pub(crate) paused: PausedSettings,
     pub(crate) formula: FormulaSettings,
+    pub(crate) audit: AuditSettings,
 }
 
 /// Validated `[formula]` settings.
@@ -315,6 +358,22 @@ impl RawConfig {
             );
             self.formula = Some(x);
         }
+        if let Some(oa) = other.audit {
+            let mut a = self.audit.take().unwrap_or_default();
+            macro_rules! takea {
+                ($($f:ident),*) => { $( if oa.$f.is_some() { a.$f = oa.$f; } )* };
+            }
+            takea!(
+                enabled,
+                file,
+                max_bytes,
+                keep,
+                batch,
+                lease_secs,
+                reconcile_interval_secs
+            );
+            self.audit = Some(a);
+        }
         self
     }
 
@@ -379,7 +438,17 @@ impl RawConfig {
             listen: parse("NEXUSCRM_FORMULA_LISTEN")?,
             generation_poll_secs: parse("NEXUSCRM_FORMULA_GENERATION_POLL_SECS")?,
         };
+        let audit = RawAudit {
+            enabled: parse("NEXUSCRM_AUDIT_ENABLED")?,
+            file: var("NEXUSCRM_AUDIT_FILE"),
+            max_bytes: parse("NEXUSCRM_AUDIT_MAX_BYTES")?,
+            keep: parse("NEXUSCRM_AUDIT_KEEP")?,
+            batch: parse("NEXUSCRM_AUDIT_BATCH")?,
+            lease_secs: parse("NEXUSCRM_AUDIT_LEASE_SECS")?,
+            reconcile_interval_secs: parse("NEXUSCRM_AUDIT_RECONCILE_INTERVAL_SECS")?,
+        };
         Ok(RawConfig {
+            audit: Some(audit),
             flow: Some(flow),
             paused: Some(paused),
             formula: Some(formula),
@@ -561,7 +630,9 @@ impl RawConfig {
         };
         let paused = validate_paused(self.paused.unwrap_or_default())?;
         let formula = validate_formula(self.formula.unwrap_or_default())?;
+        let audit = validate_audit(self.audit.unwrap_or_default())?;
         Ok(Settings {
+            audit,
             flow,
             paused,
             formula,
@@ -586,6 +657,35 @@ impl RawConfig {
             },
         })
     }
+}
+
+fn validate_audit(a: RawAudit) -> Result<AuditSettings, String> {
+    let file = a.file.unwrap_or_else(|| DEFAULT_AUDIT_FILE.into());
+    if file.trim().is_empty() {
+        return Err(bad("audit.file", "must name a file"));
+    }
+    Ok(AuditSettings {
+        enabled: a.enabled.unwrap_or(true),
+        file: file.into(),
+        max_bytes: within(
+            "audit.max_bytes",
+            a.max_bytes.unwrap_or(64 << 20),
+            4096,
+            1 << 40,
+        )?,
+        keep: within("audit.keep", a.keep.unwrap_or(4), 1, 1000)?,
+        batch: within("audit.batch", a.batch.unwrap_or(100), 1, 10_000)?,
+        lease: Duration::from_secs_f64(within(
+            "audit.lease_secs",
+            a.lease_secs.unwrap_or(30.0),
+            0.1,
+            3600.0,
+        )?),
+        reconcile_interval: backstop(
+            "audit.reconcile_interval_secs",
+            a.reconcile_interval_secs.unwrap_or(300),
+        )?,
+    })
 }
 
 fn validate_formula(x: RawFormula) -> Result<FormulaSettings, String> {
@@ -904,5 +1004,44 @@ mod tests {
         assert!(!s.formula.enabled);
         assert_eq!(s.formula.sweep_chunk, 50);
         assert_eq!(s.formula.capacity, 3);
+    }
+
+    #[test]
+    fn the_audit_table_is_validated_and_on_by_default() {
+        let s = RawConfig::default().validate().unwrap();
+        assert!(s.audit.enabled, "the audit outbox is on by default");
+        assert_eq!(s.audit.file, std::path::PathBuf::from(DEFAULT_AUDIT_FILE));
+        assert_eq!(s.audit.max_bytes, 64 << 20);
+        assert_eq!(s.audit.keep, 4);
+        assert_eq!(s.audit.batch, 100);
+        for (toml, key) in [
+            ("file = \"  \"", "`audit.file`"),
+            ("max_bytes = 10", "`audit.max_bytes`"),
+            ("keep = 0", "`audit.keep`"),
+            ("batch = 0", "`audit.batch`"),
+            ("lease_secs = 0.0", "`audit.lease_secs`"),
+            (
+                "reconcile_interval_secs = 0",
+                "`audit.reconcile_interval_secs`",
+            ),
+        ] {
+            let raw: RawConfig = toml::from_str(&format!("[audit]\n{toml}")).unwrap();
+            let e = raw.validate().unwrap_err();
+            assert!(e.contains(key), "{toml}: {e}");
+        }
+        assert!(toml::from_str::<RawConfig>("[audit]\npath = \"x\"").is_err());
+        let file: RawConfig =
+            toml::from_str("[audit]\nfile = \"/var/log/crm.jsonl\"\nkeep = 9").unwrap();
+        let flags = RawConfig {
+            audit: Some(RawAudit {
+                enabled: Some(false),
+                ..RawAudit::default()
+            }),
+            ..RawConfig::default()
+        };
+        let s = file.overlay(flags).validate().unwrap();
+        assert!(!s.audit.enabled);
+        assert_eq!(s.audit.file, std::path::PathBuf::from("/var/log/crm.jsonl"));
+        assert_eq!(s.audit.keep, 9);
     }
 }

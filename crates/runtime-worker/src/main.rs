@@ -22,6 +22,7 @@ use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
 mod admin;
+mod audit_cli;
 mod config;
 mod console;
 mod formula_cli;
@@ -111,6 +112,11 @@ enum Command {
     Formula {
         #[command(subcommand)]
         command: formula_cli::FormulaCommand,
+    },
+    /// The audit trail: the last events in the audit file, what waits for delivery.
+    Audit {
+        #[command(subcommand)]
+        command: audit_cli::AuditCommand,
     },
     /// Every asynchronous path this worker runs: its declaration, owner crate and proofs.
     Families {
@@ -702,8 +708,9 @@ async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError>
             Flow::open(bulk.db().clone(), 1, FlowOptions::default()).await?;
             PausedFlow::open(bulk.db().clone(), PausedOptions::default()).await?;
             formula_cli::open_formula(bulk.db().clone()).await?;
+            nexuscrm_audit::migrate(bulk.db()).await?;
             println!(
-                "migrated bulk, flow, paused and formula on {} ({})",
+                "migrated bulk, flow, paused, formula and audit on {} ({})",
                 bulk.db().url(),
                 bulk.db().dialect()
             );
@@ -713,8 +720,9 @@ async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError>
         Command::Schedule { command } => schedule_command(&url, command).await,
         Command::Pause { command } => pause_command(&url, command).await,
         Command::Formula { command } => formula_cli::formula_command(&url, command).await,
+        Command::Audit { command } => audit_cli::audit_command(&settings, command).await,
         Command::Run { .. } => supervise::run(settings).await,
-        Command::Demo { jobs, rows } => demo(&url, jobs, rows).await,
+        Command::Demo { jobs, rows } => demo(&url, &settings, jobs, rows).await,
     }
 }
 
@@ -1051,9 +1059,26 @@ fn demo_schedules(run_id: u128) -> Vec<NewSchedule> {
     vec![every, cron, backfill]
 }
 
-async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError> {
-    let bulk = open(url, 1).await?;
+async fn demo(
+    url: &str,
+    settings: &config::Settings,
+    jobs: usize,
+    rows: usize,
+) -> Result<ExitCode, AnyError> {
+    let db = Db::connect(url).await?;
+    let bulk = Bulk::open(
+        db,
+        1,
+        BulkOptions::default()
+            .config(nexuscrm_bulk::BulkConfig::default().audit(settings.audit.enabled)),
+    )
+    .await?;
     bulk.take_ownership(&owner()).await?;
+    let demo_audit = if settings.audit.enabled {
+        Some(DemoAudit::start(&bulk, settings).await?)
+    } else {
+        None
+    };
     let flow = Flow::open(bulk.db().clone(), 1, FlowOptions::default()).await?;
     flow.take_ownership(&owner()).await?;
     let flow_ctl = Controller::new(
@@ -1152,6 +1177,9 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
         .chain(last.filter(|_| rows > 3))
         .collect();
     demo_formula.report(&shown).await?;
+    if let Some(a) = demo_audit {
+        a.report(shown.first().map(String::as_str)).await?;
+    }
     // Let the schedules fire a few times, then show their runs.
     let watch = Duration::from_secs(5);
     if let Some(rest) = watch.checked_sub(schedules_created.elapsed()) {
@@ -1222,6 +1250,105 @@ async fn demo(url: &str, jobs: usize, rows: usize) -> Result<ExitCode, AnyError>
     demo_paused(url, bulk.db().clone(), run_id).await
 }
 
+/// A demo family's controller, running: its handle, its stop token and its task.
+fn spawn_demo_controller<S>(
+    ctl: Controller<S>,
+) -> (
+    nexuscrm_worker::ControllerHandle,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), String>>,
+)
+where
+    S: nexuscrm_worker::Source + Send + Sync + 'static,
+{
+    let handle = ctl.handle();
+    let cancel = CancellationToken::new();
+    let stop = cancel.clone();
+    let run = tokio::spawn(async move { ctl.run(stop).await.map(drop).map_err(|e| e.to_string()) });
+    (handle, cancel, run)
+}
+
+/// The demo's audit part: the outbox's controller delivering the trail Bulk writes (one
+/// `record.applied` event per applied row, in the segment's transaction) to `audit.file`.
+struct DemoAudit {
+    audit: nexuscrm_audit::Audit,
+    handle: nexuscrm_worker::ControllerHandle,
+    cancel: CancellationToken,
+    run: tokio::task::JoinHandle<Result<(), String>>,
+    started: Instant,
+}
+
+impl DemoAudit {
+    async fn start(bulk: &Bulk, settings: &config::Settings) -> Result<DemoAudit, AnyError> {
+        let audit =
+            nexuscrm_audit::Audit::open(bulk.db().clone(), supervise::audit_options(settings))
+                .await
+                .map_err(|e| format!("config key `audit.file`: {e}"))?;
+        audit.take_ownership(&owner()).await?;
+        let ctl = Controller::new(audit.source(), Config::new("audit"))?;
+        audit.set_waker(ctl.waker());
+        bulk.watch_records(ctl.waker());
+        let (handle, cancel, run) = spawn_demo_controller(ctl);
+        Ok(DemoAudit {
+            audit,
+            handle,
+            cancel,
+            run,
+            started: Instant::now(),
+        })
+    }
+
+    /// Waits until every event is delivered, then prints the file's last lines (and those of
+    /// `subject`).
+    async fn report(self, subject: Option<&str>) -> Result<(), AnyError> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let o = self.audit.observations().await?;
+            if o.undelivered == 0 {
+                break;
+            }
+            if self.run.is_finished() || Instant::now() > deadline {
+                return Err(format!(
+                    "the audit trail was not delivered: {} events wait",
+                    o.undelivered
+                )
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let sink = self.audit.sink().clone();
+        println!(
+            "\nAudit trail ({}): every event delivered to {} ({:.2?} after the outbox \
+             started); its last lines (`audit tail`):",
+            nexuscrm_audit::DECLARATION,
+            sink.path().display(),
+            self.started.elapsed(),
+        );
+        for l in audit_cli::tail(&sink, None, 3)? {
+            println!("  {}", audit_cli::format_line(&l));
+        }
+        if let Some(subject) = subject {
+            println!("  events about {subject} (`audit tail --subject {subject}`):");
+            for l in audit_cli::tail(&sink, Some(subject), 3)? {
+                println!("  {}", audit_cli::format_line(&l));
+            }
+        }
+        let snap = self.handle.snapshot();
+        println!(
+            "Controller snapshot (audit): claims {}  attempts {}  reconciles {}  wakes {}",
+            snap.claim_calls,
+            snap.attempts_completed,
+            snap.reconciles.total(),
+            snap.wakes_received
+        );
+        self.cancel.cancel();
+        if let Err(e) = self.run.await? {
+            return Err(format!("the audit controller stopped: {e}").into());
+        }
+        Ok(())
+    }
+}
+
 /// The demo's Formula View part: two formula fields over the demo's Bulk records, derived by
 /// their own controller as Bulk's segments commit, and the account roll-up.
 struct DemoFormula {
@@ -1259,11 +1386,7 @@ impl DemoFormula {
         )?;
         formula.set_waker(ctl.waker());
         bulk.watch_records(ctl.waker());
-        let handle = ctl.handle();
-        let cancel = CancellationToken::new();
-        let stop = cancel.clone();
-        let run =
-            tokio::spawn(async move { ctl.run(stop).await.map(drop).map_err(|e| e.to_string()) });
+        let (handle, cancel, run) = spawn_demo_controller(ctl);
         Ok(DemoFormula {
             formula,
             versions,

@@ -185,6 +185,14 @@ const OBSERVATION_GAUGES: &[(&str, &str)] = &[
         "nexuscrm_formula_records_with_errors",
         "Records with at least one formula evaluation error (domain observation).",
     ),
+    (
+        "nexuscrm_audit_undelivered_events",
+        "Audit events committed and not yet in the sink (domain observation).",
+    ),
+    (
+        "nexuscrm_audit_delivery_lag_seconds",
+        "Age of the oldest undelivered audit event, 0 when none waits (domain observation).",
+    ),
 ];
 
 /// A histogram per family: name, help, its buckets `(upper bound, count)` (not cumulative; the

@@ -107,7 +107,9 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         .listen(s.bulk.listen)
         .generation_poll(Some(s.bulk.generation_poll))
         // Formula View replicas in other processes learn of record changes this way.
-        .announce_records(s.formula.enabled);
+        .announce_records(s.formula.enabled)
+        // Every applied row writes its audit event in the segment's transaction.
+        .audit(s.audit.enabled);
     // Test-only: NEXUSCRM_FAULT=<crash-point> arms the real fault hook of the Bulk family
     // (process-level fail-stop tests). Unset, the hook is the zero-cost unarmed default.
     let faults = match std::env::var("NEXUSCRM_FAULT") {
@@ -170,6 +172,16 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
             .reconcile_db(reconcile_db),
     )
     .await?;
+    // The audit outbox: its file is checked now, so a bad `audit.file` is a start-up error.
+    let audit = if s.audit.enabled {
+        Some(
+            nexuscrm_audit::Audit::open(db.clone(), audit_options(&s))
+                .await
+                .map_err(|e| format!("config key `audit.file`: {e}"))?,
+        )
+    } else {
+        None
+    };
     // Observations (`/metrics`, `/snapshot`) read through a pool of their own with one
     // connection, so scrapes never take a connection the claims and commits need; each reading
     // is bounded (counts capped) and shared for admin::OBSERVATION_TTL. An in-memory SQLite
@@ -287,6 +299,31 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     } else {
         None
     };
+    let audit_ctl = if let Some(audit) = &audit {
+        let ctl = Controller::new(
+            audit.source(),
+            Config::new("audit")
+                .reconcile_interval(s.audit.reconcile_interval)
+                .reconcile_jitter(s.audit.reconcile_interval / 10)
+                .shutdown_timeout(s.shutdown_timeout),
+        )?;
+        // A finished batch wakes it through the audit handle; this process's Bulk segments
+        // (which write events) through Bulk; other producers' events by the backstop.
+        audit.set_waker(ctl.waker());
+        bulk.watch_records(ctl.waker());
+        families.push(admin::Family {
+            declaration: nexuscrm_audit::DECLARATION,
+            handle: ctl.handle(),
+            store: admin::Store::Audit(nexuscrm_audit::Audit::without_migrations(
+                observe_db.clone(),
+                audit_options(&s),
+            )),
+            observed: admin::ObservationCache::default(),
+        });
+        Some(ctl)
+    } else {
+        None
+    };
     // Every path this process runs is in the registry `families` prints, with its proof.
     crate::registry::check_started(families.iter().map(|f| &f.declaration))?;
     let names: Vec<&str> = families.iter().map(|f| f.declaration.family()).collect();
@@ -344,6 +381,9 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         if formula_ctl.is_some() {
             formula.take_ownership(&owner()).await?;
         }
+        if let Some(audit) = &audit {
+            audit.take_ownership(&owner()).await?;
+        }
         Ok::<_, AnyError>(())
     };
     if let Err(e) = owned.await {
@@ -351,17 +391,24 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         let _ = server.await;
         return Err(e);
     }
-    let (bulk_ended, flow_ended, paused_ended, formula_ended) = tokio::join!(
+    let (bulk_ended, flow_ended, paused_ended, formula_ended, audit_ended) = tokio::join!(
         supervise_all(bulk_ctl, cancel.clone()),
         supervise_all(flow_ctl, cancel.clone()),
         supervise_all(paused_ctl, cancel.clone()),
         supervise_all(formula_ctl, cancel.clone()),
+        supervise_all(audit_ctl, cancel.clone()),
     );
     cancel.cancel();
     signals.abort();
     admin_stop.cancel();
     let _ = server.await;
-    let ended = [bulk_ended, flow_ended, paused_ended, formula_ended];
+    let ended = [
+        bulk_ended,
+        flow_ended,
+        paused_ended,
+        formula_ended,
+        audit_ended,
+    ];
     let poisoned: Vec<&String> = ended
         .iter()
         .filter_map(|e| match e {
@@ -397,6 +444,14 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         );
         ExitCode::from(2)
     })
+}
+
+/// The audit family's options from `[audit]`.
+pub(crate) fn audit_options(s: &Settings) -> nexuscrm_audit::AuditOptions {
+    nexuscrm_audit::AuditOptions::new(s.audit.sink())
+        .generation(s.generation)
+        .batch(s.audit.batch)
+        .lease(s.audit.lease)
 }
 
 /// `status`: GET /snapshot from a running worker and print it as a table.

@@ -22,6 +22,18 @@ use nexuscrm_persistence::testing::TestDb;
 use nexuscrm_persistence::{Db, Dialect, sqlx};
 
 const BIN: &str = env!("CARGO_BIN_EXE_nexuscrm-runtime-worker");
+
+/// The audit file of the worker over `url` (one per database, outside the source tree: event
+/// ids repeat across databases, so two databases must never share a file).
+fn audit_file(url: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    url.hash(&mut h);
+    std::env::temp_dir()
+        .join(format!("nexuscrm-test-audit-{:016x}.jsonl", h.finish()))
+        .display()
+        .to_string()
+}
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 const SECRET: &str = "browser-test-secret-0123456789abcdef";
@@ -84,6 +96,7 @@ fn chromedriver() -> (Killed, u16) {
 /// returns it and its admin port.
 fn worker(url: &str, effect_url: &str) -> (Killed, u16, Arc<Mutex<String>>) {
     let mut child = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file(url))
         .args(["--database-url", url, "run", "--admin-addr", "127.0.0.1:0"])
         .env_remove("NEXUSCRM_DATABASE_URL")
         .env("NEXUSCRM_CONSOLE_SECRET", SECRET)
@@ -126,6 +139,7 @@ fn worker(url: &str, effect_url: &str) -> (Killed, u16, Arc<Mutex<String>>) {
 
 fn cli(url: &str, args: &[&str]) -> String {
     let out = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file(url))
         .args(["--database-url", url])
         .args(args)
         .env_remove("NEXUSCRM_DATABASE_URL")

@@ -11,6 +11,18 @@ use nexuscrm_persistence::{Db, Dialect, sqlx};
 
 const BIN: &str = env!("CARGO_BIN_EXE_nexuscrm-runtime-worker");
 
+/// The audit file of the worker over `url` (one per database, outside the source tree: event
+/// ids repeat across databases, so two databases must never share a file).
+fn audit_file(url: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    url.hash(&mut h);
+    std::env::temp_dir()
+        .join(format!("nexuscrm-test-audit-{:016x}.jsonl", h.finish()))
+        .display()
+        .to_string()
+}
+
 struct Worker {
     child: Child,
     port: u16,
@@ -35,6 +47,7 @@ fn start_leased(url: &str, lease_secs: &str, extra: &[&str]) -> Worker {
 
 fn start_with_env(url: &str, lease_secs: &str, extra: &[&str], env: &[(&str, &str)]) -> Worker {
     let mut child = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file(url))
         .args([
             "--database-url",
             url,
@@ -139,6 +152,7 @@ fn stop_clean(w: &mut Worker) {
 
 fn submit(url: &str, key: &str, rows: usize, segment: u32) {
     let out = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file(url))
         .args([
             "--database-url",
             url,
@@ -287,7 +301,8 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
             name_labels.ends_with('}')
                 && (name_labels.contains("family=\"bulk\"")
                     || name_labels.contains("family=\"flow\"")
-                    || name_labels.contains("family=\"formula\"")),
+                    || name_labels.contains("family=\"formula\"")
+                    || name_labels.contains("family=\"audit\"")),
             "{line:?}"
         );
         samples += 1;
@@ -437,6 +452,7 @@ async fn a_newer_generation_takes_over_and_the_older_one_exits_superseded() {
     wait_all_succeeded(&db, 6, Duration::from_secs(60)).await;
     // An older generation cannot start against a newer owner.
     let out = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file(&t.url))
         .args([
             "--database-url",
             &t.url,
@@ -505,6 +521,7 @@ async fn a_poisoned_controller_exits_two_and_a_restart_recovers() {
     submit(&t.url, "job", 100, 10);
     // The attempt crashes mid-job (an attempt error): the controller is poisoned.
     let out = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file(&t.url))
         .args([
             "--database-url",
             &t.url,
@@ -534,6 +551,7 @@ async fn sigterm_with_an_attempt_ignoring_cancellation_exits_two_after_the_bound
     let t = TestDb::create(Dialect::Sqlite, "overrun").await.unwrap();
     submit(&t.url, "job", 50, 10);
     let mut child = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file(&t.url))
         .args([
             "--database-url",
             &t.url,
@@ -598,8 +616,42 @@ async fn sigterm_as_soon_as_the_admin_server_is_up_is_a_clean_stop() {
     t.drop_database().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_audit_file_that_cannot_be_opened_is_a_start_up_error() {
+    let t = TestDb::create(Dialect::Sqlite, "auditbad").await.unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "--database-url",
+            &t.url,
+            "run",
+            "--admin-addr",
+            "127.0.0.1:0",
+        ])
+        .env_remove("NEXUSCRM_DATABASE_URL")
+        .env("NEXUSCRM_AUDIT_FILE", "/nonexistent-dir/audit.jsonl")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("`audit.file`") && err.contains("/nonexistent-dir/audit.jsonl"),
+        "{err}"
+    );
+    let out = Command::new(BIN)
+        .args(["--database-url", &t.url, "run"])
+        .env_remove("NEXUSCRM_DATABASE_URL")
+        .env("NEXUSCRM_AUDIT_KEEP", "0")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("`audit.keep`"), "{err}");
+    t.drop_database().await;
+}
+
 fn cli(url: &str, args: &[&str]) -> (bool, String, String) {
     let out = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file(url))
         .args(["--database-url", url])
         .args(args)
         .env_remove("NEXUSCRM_DATABASE_URL")
@@ -903,6 +955,7 @@ async fn usage_errors_exit_one_help_exits_zero_and_retry_refuses_a_job_that_is_n
         &["no-such-command"][..],
     ] {
         let out = Command::new(BIN)
+            .env("NEXUSCRM_AUDIT_FILE", audit_file(&t.url))
             .args(["--database-url", &t.url])
             .args(args)
             .output()
@@ -1009,6 +1062,7 @@ async fn submit_names_a_refused_row_by_file_and_line_and_refuses_a_key_reused_fo
         "the same file again is the same job: {err}"
     );
     let out = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file(&t.url))
         .args([
             "--database-url",
             &t.url,
@@ -1092,6 +1146,7 @@ async fn pause_commands_resume_once_and_refuse_bad_input_with_nothing_changed() 
             (vec!["pause", "show", "424242"], "no pause 424242"),
         ] {
             let out = Command::new(BIN)
+                .env("NEXUSCRM_AUDIT_FILE", audit_file(&t.url))
                 .args(["--database-url", &t.url])
                 .args(&args)
                 .env_remove("NEXUSCRM_DATABASE_URL")
@@ -1271,6 +1326,7 @@ async fn the_demo_shows_bulk_schedules_derived_values_and_a_paused_resumed_and_u
     let t = TestDb::create(Dialect::Sqlite, "demo").await.unwrap();
     for round in 0..2 {
         let out = Command::new(BIN)
+            .env("NEXUSCRM_AUDIT_FILE", audit_file(&t.url))
             .args([
                 "--database-url",
                 &t.url,
@@ -1301,10 +1357,43 @@ async fn the_demo_shows_bulk_schedules_derived_values_and_a_paused_resumed_and_u
             "(from revision 1, definition version ",
             "\"won: Initech\"",
             "Account roll-up",
+            "Audit trail (audit=durable-critical/idempotent-or-observable): every event delivered",
+            "record.applied",
         ] {
             assert!(stdout.contains(want), "round {round}: {want:?} in {stdout}");
         }
     }
+    // The audit file holds one line per applied row of both rounds, each once.
+    let file = audit_file(&t.url);
+    let text = std::fs::read_to_string(&file).unwrap();
+    let ids: Vec<String> = text
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert_eq!(v["kind"], "record.applied", "{l}");
+            v["event_id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let changes: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM crm_record_change")
+        .fetch_one(t.db.pool())
+        .await
+        .unwrap();
+    assert_eq!(ids.len() as i64, changes, "one line per applied row");
+    assert_eq!(changes, 200);
+    let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), ids.len(), "no line repeats");
+    let (ok, out, err) = cli(&t.url, &["audit", "tail", "-n", "2"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().count(), 2, "{out}");
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    let subject = first["subject"].as_str().unwrap();
+    let (ok, out, err) = cli(&t.url, &["audit", "tail", "--subject", subject, "--json"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().count(), 1, "{out}");
+    assert!(out.contains(first["event_id"].as_str().unwrap()), "{out}");
+    let (ok, out, err) = cli(&t.url, &["audit", "pending"]);
+    assert!(ok && out.contains("undelivered: 0"), "{out}{err}");
+    let _ = std::fs::remove_file(&file);
     t.drop_database().await;
 }
 
@@ -1365,6 +1454,7 @@ async fn the_resume_endpoint_is_off_by_default_needs_its_secret_and_resumes_once
         (Some("short-secret"), "at least 32"),
     ] {
         let mut cmd = Command::new(BIN);
+        cmd.env("NEXUSCRM_AUDIT_FILE", audit_file(&t.url));
         cmd.args([
             "--database-url",
             &t.url,
@@ -1535,6 +1625,7 @@ async fn spans_are_exported_over_otlp_when_configured_with_family_item_and_gener
 #[test]
 fn a_bad_otlp_endpoint_is_refused_before_anything_starts() {
     let out = Command::new(BIN)
+        .env("NEXUSCRM_AUDIT_FILE", audit_file("sqlite::memory:"))
         .args(["--database-url", "sqlite::memory:", "run"])
         .env("NEXUSCRM_OTLP_TRACES_ENDPOINT", "collector:4318")
         .env_remove("NEXUSCRM_DATABASE_URL")

@@ -143,3 +143,52 @@ pub async fn applied(db: &Db) -> Applied {
         .await,
     }
 }
+
+/// Checks the audit trail against the change log: one `record.applied` event per applied row
+/// (`bulk-<job>-<ordinal>-r<revision>`, subject the record key) and none without its change.
+pub async fn audit_matches_changes(db: &Db) -> Result<usize, String> {
+    use nexuscrm_persistence::support::text;
+    use std::collections::BTreeSet;
+    let changes =
+        sqlx::query("SELECT job_id, ordinal, record_key, revision FROM crm_record_change")
+            .fetch_all(db.pool())
+            .await
+            .map_err(|e| e.to_string())?;
+    let mut want = BTreeSet::new();
+    for r in &changes {
+        let (job, ordinal, rev): (i64, i64, i64) = (r.get(0), r.get(1), r.get(3));
+        let key = text(r, 2).map_err(|e| e.to_string())?;
+        want.insert((format!("bulk-{job}-{ordinal}-r{rev}"), key));
+    }
+    let events = sqlx::query("SELECT event_id, subject, kind FROM audit_event")
+        .fetch_all(db.pool())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut got = BTreeSet::new();
+    for r in &events {
+        let kind = text(r, 2).map_err(|e| e.to_string())?;
+        if kind != "record.applied" {
+            return Err(format!(
+                "an audit event of kind {kind:?}, want record.applied"
+            ));
+        }
+        got.insert((
+            text(r, 0).map_err(|e| e.to_string())?,
+            text(r, 1).map_err(|e| e.to_string())?,
+        ));
+    }
+    if got.len() != events.len() {
+        return Err("an audit event id repeats".into());
+    }
+    let missing: Vec<_> = want.difference(&got).take(3).collect();
+    let orphan: Vec<_> = got.difference(&want).take(3).collect();
+    if !missing.is_empty() || !orphan.is_empty() {
+        return Err(format!(
+            "{} changes, {} audit events; changes without their event (first 3): {missing:?}; \
+             events without their change (first 3): {orphan:?}",
+            want.len(),
+            got.len()
+        ));
+    }
+    Ok(got.len())
+}
