@@ -391,6 +391,70 @@ pub async fn migrate(db: &Db) -> Result<(), DbError> {
     db.migrate(FAMILY, MIGRATIONS).await.map(drop)
 }
 
+/// Takes ownership of `family` for `generation` (as [`Db::take_ownership`]) and, when the
+/// ownership changes (a first owner, or a newer generation taking over), writes an
+/// `ownership.taken` audit event in the takeover's own transaction: subject `family:<family>`,
+/// actor `owner`, body the family, the generation and the one it replaced. Its id,
+/// `ownership-<family>-g<generation>`, is stable: a generation takes a family once. The same
+/// generation taking it again writes nothing. The audit migrations must have run.
+///
+/// # Errors
+///
+/// As for [`Db::take_ownership`]; an invalid event (a family or owner longer than 191 bytes)
+/// rolls the takeover back.
+pub async fn take_ownership_audited(
+    db: &Db,
+    family: &str,
+    generation: i64,
+    owner: &str,
+) -> Result<Fence, DbError> {
+    let dialect = db.dialect();
+    let (f, o) = (family.to_owned(), owner.to_owned());
+    db.take_ownership_noting(family, generation, owner, &move |c, previous| {
+        let event = AuditEvent::new(
+            format!("ownership-{f}-g{generation}"),
+            format!("family:{f}"),
+            "ownership.taken",
+            o.clone(),
+            serde_json::json!({ "family": f, "generation": generation, "previous": previous }),
+        );
+        Box::pin(async move { record(c, dialect, &[event]).await })
+    })
+    .await
+}
+
+/// Every event in the outbox, delivered or not, in sequence order: for inspection and tests
+/// (what the producers wrote, whatever the sink has received).
+///
+/// # Errors
+///
+/// The database's error, or a row that is not an event (a schema other than this family's).
+pub async fn outbox(db: &Db) -> Result<Vec<Line>, AuditError> {
+    let read = |e: sqlx::Error| AuditError(format!("reading the audit outbox: {e}"));
+    let rows = sqlx::query(queries(db.dialect()).get("stored"))
+        .fetch_all(db.pool())
+        .await
+        .map_err(read)?;
+    rows.iter()
+        .map(line_of)
+        .collect::<Result<Vec<_>, sqlx::Error>>()
+        .map_err(read)
+}
+
+/// An outbox row (`seq, event_id, subject, kind, actor, at, body`) as a sink line.
+fn line_of(r: &sqlx::any::AnyRow) -> Result<Line, sqlx::Error> {
+    let body = text(r, 6)?;
+    Ok(Line {
+        seq: r.try_get(0)?,
+        event_id: text(r, 1)?,
+        subject: text(r, 2)?,
+        kind: text(r, 3)?,
+        actor: text(r, 4)?,
+        at_ms: r.try_get(5)?,
+        body: serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body)),
+    })
+}
+
 /// The generation in a lease holder's name (`g<generation>:<token>`; 0 for none).
 fn holder_generation(holder: &str) -> i64 {
     holder
@@ -476,19 +540,7 @@ impl Source for AuditSource {
                         .await?;
                     let lines = rows
                         .iter()
-                        .map(|r| {
-                            let body = text(r, 6)?;
-                            Ok(Line {
-                                seq: r.try_get(0)?,
-                                event_id: text(r, 1)?,
-                                subject: text(r, 2)?,
-                                kind: text(r, 3)?,
-                                actor: text(r, 4)?,
-                                at_ms: r.try_get(5)?,
-                                body: serde_json::from_str(&body)
-                                    .unwrap_or(serde_json::Value::String(body)),
-                            })
-                        })
+                        .map(line_of)
                         .collect::<Result<Vec<_>, sqlx::Error>>()?;
                     if !lines.is_empty() || current == holder {
                         sqlx::query(q.get("lease_take"))

@@ -550,3 +550,76 @@ async fn a_sink_that_is_down_loses_nothing_and_gets_every_event_when_it_returns(
         t.drop_database().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ownership_takeover_writes_one_event_in_its_transaction_and_a_refused_one_none() {
+    for d in DIALECTS {
+        let Some((t, _sink)) = setup(d, "owntaken").await else {
+            continue;
+        };
+        let take = |g: i64, owner: &'static str| {
+            let db = t.db.clone();
+            async move { nexuscrm_audit::take_ownership_audited(&db, "bulk", g, owner).await }
+        };
+        take(1, "host-a").await.unwrap();
+        take(1, "host-a").await.unwrap(); // The same generation again: no change, no event.
+        let fence = take(2, "host-b").await.unwrap();
+        assert_eq!(fence.generation(), 2, "{d}");
+        let e = take(1, "host-a").await.unwrap_err();
+        assert_eq!(
+            e.kind(),
+            nexuscrm_persistence::DbErrorKind::Superseded,
+            "{d}: {e}"
+        );
+        let events = nexuscrm_audit::outbox(&t.db).await.unwrap();
+        let seen: Vec<(&str, &str, &str, &str)> = events
+            .iter()
+            .map(|l| {
+                (
+                    l.event_id.as_str(),
+                    l.kind.as_str(),
+                    l.subject.as_str(),
+                    l.actor.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (
+                    "ownership-bulk-g1",
+                    "ownership.taken",
+                    "family:bulk",
+                    "host-a"
+                ),
+                (
+                    "ownership-bulk-g2",
+                    "ownership.taken",
+                    "family:bulk",
+                    "host-b"
+                ),
+            ],
+            "{d}"
+        );
+        assert_eq!(
+            events[0].body,
+            json!({"family": "bulk", "generation": 1, "previous": null}),
+            "{d}"
+        );
+        assert_eq!(
+            events[1].body,
+            json!({"family": "bulk", "generation": 2, "previous": 1}),
+            "{d}"
+        );
+        // An event that cannot be written rolls the takeover back: generation 2 still owns.
+        let long = "x".repeat(nexuscrm_audit::MAX_ID + 1);
+        let e = nexuscrm_audit::take_ownership_audited(&t.db, "bulk", 3, &long)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("191 bytes"), "{d}: {e}");
+        let e = take(2, "host-b").await;
+        assert!(e.is_ok(), "{d}: generation 2 still owns bulk: {e:?}");
+        assert_eq!(nexuscrm_audit::outbox(&t.db).await.unwrap().len(), 2, "{d}");
+        t.drop_database().await;
+    }
+}

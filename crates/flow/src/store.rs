@@ -5,7 +5,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_persistence::sqlx::{self, Row};
-use nexuscrm_persistence::support::{from_ms, is_unique_violation, retrying, text, to_ms};
+use nexuscrm_persistence::support::{
+    from_ms, is_unique_violation, new_token, retrying, text, to_ms,
+};
 use nexuscrm_persistence::{
     Db, DbError, Dialect, DialectQueries, Fence, GenerationProbe, Migration, Queries, WriteError,
 };
@@ -65,6 +67,7 @@ pub struct FlowConfig {
     pub(crate) retry_backoff: Duration,
     pub(crate) generation_poll: Option<Duration>,
     pub(crate) listen: bool,
+    pub(crate) audit: bool,
 }
 
 impl Default for FlowConfig {
@@ -76,11 +79,26 @@ impl Default for FlowConfig {
             retry_backoff: Duration::from_secs(5),
             generation_poll: Some(Duration::from_secs(5)),
             listen: true,
+            audit: false,
         }
     }
 }
 
 impl FlowConfig {
+    /// Write an audit event for every operator change of a schedule (`schedule.created`,
+    /// `schedule.updated`, `schedule.paused`, `schedule.resumed`, `schedule.deleted`) in the
+    /// change's own transaction, through the audit outbox ([`nexuscrm_audit::record`]): the
+    /// event exists if and only if the change committed, and a change that changes nothing
+    /// (pausing a paused schedule, creating an existing one) writes none. Its subject is
+    /// `schedule:<id>`, its actor the handle's ([`Flow::acting_as`]), its body the schedule's
+    /// name, flow, spec, policy and state before and after. [`Flow::open`] then also runs the
+    /// audit migrations. By default off.
+    #[must_use]
+    pub fn audit(mut self, on: bool) -> Self {
+        self.audit = on;
+        self
+    }
+
     /// How long a claim owns a schedule without a heartbeat. By default 30 seconds.
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
@@ -366,6 +384,8 @@ pub struct Observations {
 #[derive(Clone)]
 pub struct Flow {
     pub(crate) inner: Arc<Inner>,
+    /// Who the audit events of this handle's changes name (`operator` unless set).
+    actor: Arc<str>,
 }
 
 pub(crate) struct Inner {
@@ -529,6 +549,9 @@ impl Flow {
     pub async fn open(db: Db, generation: i64, options: FlowOptions) -> Result<Flow, DbError> {
         db.migrate_ownership().await?;
         db.migrate(FAMILY, MIGRATIONS).await?;
+        if options.config.audit {
+            nexuscrm_audit::migrate(&db).await?;
+        }
         Ok(Flow::without_migrations(db, generation, options))
     }
 
@@ -552,7 +575,65 @@ impl Flow {
                 fence: Fence::new(FAMILY, generation),
                 waker: OnceLock::new(),
             }),
+            actor: Arc::from("operator"),
         }
+    }
+
+    /// This handle, naming `actor` in the audit events of the changes made through it (`cli`,
+    /// `console`, a user name; 1 to 191 bytes, longer names are cut at a character boundary).
+    #[must_use]
+    pub fn acting_as(&self, actor: &str) -> Flow {
+        let mut end = actor.len().min(nexuscrm_audit::MAX_ID);
+        while !actor.is_char_boundary(end) {
+            end -= 1;
+        }
+        let actor = if actor.is_empty() {
+            "operator"
+        } else {
+            &actor[..end]
+        };
+        Flow {
+            inner: self.inner.clone(),
+            actor: Arc::from(actor),
+        }
+    }
+
+    /// The audit event of a committed change from `before` (`None`: created) to `after`
+    /// (`None`: deleted).
+    fn audit_event(
+        &self,
+        kind: &str,
+        before: Option<&ScheduleStatus>,
+        after: Option<&ScheduleStatus>,
+    ) -> Option<nexuscrm_audit::AuditEvent> {
+        if !self.inner.cfg.audit {
+            return None;
+        }
+        let s = after.or(before)?;
+        let describe = |s: &ScheduleStatus| {
+            serde_json::json!({
+                "state": s.state,
+                "spec": s.spec.to_string(),
+                "policy": s.policy.to_string(),
+                "version": s.version,
+            })
+        };
+        Some(
+            nexuscrm_audit::AuditEvent::new(
+                format!("schedule-{}-{}-{}", s.id.0, kind, new_token()),
+                format!("schedule:{}", s.id.0),
+                format!("schedule.{kind}"),
+                self.actor.to_string(),
+                serde_json::json!({
+                    "schedule": s.id.0,
+                    "name": s.name,
+                    "flow": s.flow,
+                    "before": before.map(describe),
+                    "after": after.map(describe),
+                }),
+            )
+            .at(from_ms(self.inner.now_ms())),
+        )
     }
 
     /// Takes ownership of the Scheduled Flow family for this handle's generation.
@@ -642,9 +723,11 @@ impl Flow {
         let state = if new.paused { "paused" } else { "active" };
         let wanted = new.clone();
         let never = CancellationToken::new();
+        let dialect = inner.db.dialect();
         let outcome = retrying(&never, || {
             let (name, flow) = (new.name.clone(), new.flow.clone());
             let def = stored(&new.spec, new.policy, anchor);
+            let this = self.clone();
             inner.db.write(&never, move |c| {
                 Box::pin(async move {
                     if let Some(row) = sqlx::query(q.get("schedule_by_name"))
@@ -675,7 +758,11 @@ impl Flow {
                         .bind(name.as_str())
                         .fetch_one(&mut *c)
                         .await?;
-                    Ok(Change::Inserted(decode_schedule(&row)?))
+                    let status = decode_schedule(&row)?;
+                    if let Some(event) = this.audit_event("created", None, Some(&status)) {
+                        nexuscrm_audit::record(c, dialect, &[event]).await?;
+                    }
+                    Ok(Change::Inserted(status))
                 })
             })
         })
@@ -736,8 +823,10 @@ impl Flow {
         let q = queries(inner.db.dialect());
         let change = Arc::new(change);
         let never = CancellationToken::new();
+        let dialect = inner.db.dialect();
         let outcome = retrying(&never, || {
             let change = change.clone();
+            let this = self.clone();
             inner.db.write(&never, move |c| {
                 Box::pin(async move {
                     let Some(row) = sqlx::query(q.get("schedule_for_update"))
@@ -756,6 +845,9 @@ impl Flow {
                                 .bind(id.0)
                                 .execute(&mut *c)
                                 .await?;
+                            if let Some(event) = this.audit_event("deleted", Some(&current), None) {
+                                nexuscrm_audit::record(c, dialect, &[event]).await?;
+                            }
                             return Ok(Change::Done(current));
                         }
                         Ok(Some(Apply::State { state, cursor, now })) => {
@@ -795,7 +887,22 @@ impl Flow {
                         .bind(id.0)
                         .fetch_one(&mut *c)
                         .await?;
-                    Ok(Change::Done(decode_schedule(&row)?))
+                    let after = decode_schedule(&row)?;
+                    let kind = match after.state.as_str() {
+                        _ if after.spec != current.spec
+                            || after.policy != current.policy
+                            || after.anchor_ms != current.anchor_ms =>
+                        {
+                            "updated"
+                        }
+                        "paused" if current.enabled() => "paused",
+                        _ if !current.enabled() && after.enabled() => "resumed",
+                        _ => "updated",
+                    };
+                    if let Some(event) = this.audit_event(kind, Some(&current), Some(&after)) {
+                        nexuscrm_audit::record(c, dialect, &[event]).await?;
+                    }
+                    Ok(Change::Done(after))
                 })
             })
         })

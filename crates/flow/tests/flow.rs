@@ -728,3 +728,98 @@ async fn observed_counts_stop_at_their_cap_and_are_exact_below_it() {
         t.drop_database().await;
     }
 }
+
+/// The audit events in the outbox, as `(kind, subject, actor)`.
+async fn audit_trail(db: &Db) -> Vec<(String, String, String)> {
+    nexuscrm_audit::outbox(db)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| (l.kind, l.subject, l.actor))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_schedule_change_writes_one_audit_event_in_its_transaction_and_no_op_changes_none() {
+    for d in DIALECTS {
+        let options =
+            FlowOptions::default().config(nexuscrm_flow::FlowConfig::default().audit(true));
+        let Some((t, flow)) = flow_on(d, "flowaudit", options).await else {
+            continue;
+        };
+        let ops = flow.acting_as("ops@acme.test");
+        let def = NewSchedule::new("nightly", "digest", every(60), MisfirePolicy::Skip);
+        let id = ops.create(def.clone()).await.unwrap().id;
+        // Changes that change nothing write nothing.
+        assert!(!ops.create(def.clone()).await.unwrap().created, "{d}");
+        let mut other = def.clone();
+        other.spec = every(30);
+        ops.create(other).await.unwrap_err();
+        ops.pause(id).await.unwrap();
+        ops.pause(id).await.unwrap();
+        flow.resume(id).await.unwrap();
+        flow.resume(id).await.unwrap();
+        ops.update(
+            id,
+            ScheduleUpdate {
+                spec: Some(every(120)),
+                ..ScheduleUpdate::default()
+            },
+        )
+        .await
+        .unwrap();
+        // A refused update (a stale version) writes nothing either.
+        ops.update(
+            id,
+            ScheduleUpdate {
+                expected_version: Some(1),
+                ..ScheduleUpdate::default()
+            },
+        )
+        .await
+        .unwrap_err();
+        ops.delete(id).await.unwrap();
+        let subject = format!("schedule:{}", id.0);
+        let want: Vec<(String, String, String)> = [
+            ("schedule.created", "ops@acme.test"),
+            ("schedule.paused", "ops@acme.test"),
+            ("schedule.resumed", "operator"),
+            ("schedule.updated", "ops@acme.test"),
+            ("schedule.deleted", "ops@acme.test"),
+        ]
+        .into_iter()
+        .map(|(k, a)| (k.to_owned(), subject.clone(), a.to_owned()))
+        .collect();
+        assert_eq!(audit_trail(&t.db).await, want, "{d}");
+        // The update's body says what changed, before and after.
+        let events = nexuscrm_audit::outbox(&t.db).await.unwrap();
+        let updated = &events[3].body;
+        assert_eq!(updated["name"], "nightly", "{d}: {updated}");
+        assert_eq!(updated["before"]["spec"], every(60).to_string(), "{d}");
+        assert_eq!(updated["after"]["spec"], every(120).to_string(), "{d}");
+        assert!(events[4].body["after"].is_null(), "{d}: deleted");
+        assert!(
+            events
+                .iter()
+                .all(|e| e.event_id.starts_with(&format!("schedule-{}-", id.0))),
+            "{d}"
+        );
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flow_without_audit_writes_no_events_and_needs_no_audit_tables() {
+    for d in DIALECTS {
+        let Some((t, flow)) = flow_on(d, "flownoaudit", FlowOptions::default()).await else {
+            continue;
+        };
+        let def = NewSchedule::new("nightly", "digest", every(60), MisfirePolicy::Skip);
+        let id = flow.create(def).await.unwrap().id;
+        flow.pause(id).await.unwrap();
+        flow.delete(id).await.unwrap();
+        // The audit tables were never created: the outbox cannot be read.
+        assert!(nexuscrm_audit::outbox(&t.db).await.is_err(), "{d}");
+        t.drop_database().await;
+    }
+}

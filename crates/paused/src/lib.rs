@@ -360,6 +360,7 @@ pub struct PausedOptions {
     generation_poll: Option<Duration>,
     listen: bool,
     faults: Faults,
+    audit: bool,
 }
 
 impl Default for PausedOptions {
@@ -373,11 +374,25 @@ impl Default for PausedOptions {
             generation_poll: Some(Duration::from_secs(5)),
             listen: true,
             faults: Faults::none(),
+            audit: false,
         }
     }
 }
 
 impl PausedOptions {
+    /// Write an audit event (`pause.resolved`) for every operator resolution of an uncertain
+    /// pause, in the resolution's own transaction, through the audit outbox
+    /// ([`nexuscrm_audit::record`]): the event exists if and only if the decision committed, and
+    /// a refused resolution (the pause is not uncertain) writes none. Subject `pause:<id>`,
+    /// actor the one given to [`PausedFlow::resolve`], body the decision, the new state and the
+    /// evidence the operator decided on. [`PausedFlow::open`] then also runs the audit
+    /// migrations. By default off.
+    #[must_use]
+    pub fn audit(mut self, on: bool) -> Self {
+        self.audit = on;
+        self
+    }
+
     /// The wall clock for pause, resume, timeout and lease times. By default the system clock.
     #[must_use]
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
@@ -458,6 +473,8 @@ pub(crate) struct WorkerSettings {
     pub(crate) probe: GenerationProbe,
     pub(crate) faults: Faults,
     pub(crate) waker: std::sync::OnceLock<nexuscrm_worker::Waker>,
+    /// Whether operator decisions write audit events.
+    pub(crate) audit: bool,
 }
 
 /// What a resume's transaction found.
@@ -476,6 +493,9 @@ impl PausedFlow {
     pub async fn open(db: Db, options: PausedOptions) -> Result<PausedFlow, DbError> {
         db.migrate_ownership().await?;
         db.migrate(FAMILY, MIGRATIONS).await?;
+        if options.audit {
+            nexuscrm_audit::migrate(&db).await?;
+        }
         Ok(PausedFlow::without_migrations(db, options))
     }
 
@@ -493,6 +513,7 @@ impl PausedFlow {
                 probe,
                 faults: options.faults,
                 waker: std::sync::OnceLock::new(),
+                audit: options.audit,
             }),
             db,
             clock: options.clock,

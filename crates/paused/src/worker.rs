@@ -645,10 +645,32 @@ impl PausedFlow {
         })
         .to_string();
         let finished = (state == "completed").then_some(now);
+        let event = self.worker.audit.then(|| {
+            nexuscrm_audit::AuditEvent::new(
+                format!(
+                    "pause-{id}-resolved-{}",
+                    nexuscrm_persistence::support::new_token()
+                ),
+                format!("pause:{id}"),
+                "pause.resolved",
+                actor,
+                json!({
+                    "pause": id,
+                    "run": before.run,
+                    "step": before.step,
+                    "decision": decision,
+                    "state": state,
+                    "evidence": before.outcome,
+                }),
+            )
+            .at(nexuscrm_persistence::support::from_ms(now))
+        });
+        let dialect = self.db.dialect();
         let never = CancellationToken::new();
         let n = self
             .db
             .write(&never, move |c| {
+                let event = event.clone();
                 Box::pin(async move {
                     let r = sqlx::query(q.get("resolve"))
                         .bind(state)
@@ -660,6 +682,11 @@ impl PausedFlow {
                         .bind(id)
                         .execute(&mut *c)
                         .await?;
+                    if r.rows_affected() == 1
+                        && let Some(event) = event
+                    {
+                        nexuscrm_audit::record(c, dialect, &[event]).await?;
+                    }
                     Ok(r.rows_affected())
                 })
             })

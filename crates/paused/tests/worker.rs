@@ -257,14 +257,18 @@ async fn an_ambiguous_effect_is_quarantined_never_resent_until_a_person_retries(
         .await;
         assert_eq!(still[0].state, "uncertain", "{d}");
         assert_eq!(rx.total(), 1, "{d}: the uncertain effect was not resent");
+        // Decisions go through a handle that writes their audit events.
+        let decisions = PausedFlow::open(t.db.clone(), PausedOptions::default().audit(true))
+            .await
+            .unwrap();
         // Bad resolutions change nothing.
-        let e = store
+        let e = decisions
             .resolve(999_999, Resolution::Retry, "ops")
             .await
             .unwrap_err();
         assert_eq!(e.kind(), nexuscrm_paused::PauseErrorKind::NotFound, "{d}");
         // A person decides: retry under the same key.
-        let r = store
+        let r = decisions
             .resolve(p.id, Resolution::Retry, "ops@acme.test")
             .await
             .unwrap();
@@ -277,7 +281,7 @@ async fn an_ambiguous_effect_is_quarantined_never_resent_until_a_person_retries(
             2,
             "{d}: sent again once, by the person's decision"
         );
-        let e = store
+        let e = decisions
             .resolve(p.id, Resolution::Applied, "ops")
             .await
             .unwrap_err();
@@ -286,6 +290,20 @@ async fn an_ambiguous_effect_is_quarantined_never_resent_until_a_person_retries(
             nexuscrm_paused::PauseErrorKind::Conflict,
             "{d}: {e}"
         );
+        // Exactly one audit event: the decision that committed, with its evidence; the
+        // refused ones wrote none.
+        let events = nexuscrm_audit::outbox(&t.db).await.unwrap();
+        assert_eq!(events.len(), 1, "{d}: {events:?}");
+        let e = &events[0];
+        assert_eq!(
+            (e.kind.as_str(), e.subject.clone(), e.actor.as_str()),
+            ("pause.resolved", format!("pause:{}", p.id), "ops@acme.test"),
+            "{d}"
+        );
+        let body = &e.body;
+        assert_eq!(body["decision"], "retry", "{d}: {body}");
+        assert_eq!(body["state"], "resumable", "{d}: {body}");
+        assert_eq!(body["evidence"], evidence, "{d}: {body}");
         t.drop_database().await;
     }
 }

@@ -47,7 +47,7 @@ pub use db::{Db, DbOptions, Dialect, is_tidb_version, redact_url};
 pub const OBSERVATION_CAP: i64 = 100_000;
 pub use error::{DbError, DbErrorKind};
 pub use migrate::Migration;
-pub use ownership::{FENCE_STRIPES, Fence};
+pub use ownership::{FENCE_STRIPES, Fence, OnTaken};
 pub use probe::{GenerationProbe, ProbeError};
 pub use queries::{DialectQueries, Queries};
 pub use sqlx;

@@ -116,6 +116,12 @@ fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// What [`Db::take_ownership_noting`] runs in the takeover's transaction: the connection and the
+/// generation that owned the family before (`None` for the first owner).
+pub type OnTaken = dyn for<'c> Fn(&'c mut sqlx::AnyConnection, Option<i64>) -> crate::TxFuture<'c, ()>
+    + Send
+    + Sync;
+
 impl Db {
     /// Takes ownership of `family` for `generation` in one transaction; the same generation
     /// taking it again is a no-op. A newer generation fences out every older one at once: their
@@ -139,6 +145,28 @@ impl Db {
         generation: i64,
         owner: &str,
     ) -> Result<Fence, DbError> {
+        self.take_ownership_noting(family, generation, owner, &|_, _| {
+            Box::pin(async { Ok(()) })
+        })
+        .await
+    }
+
+    /// [`Db::take_ownership`], running `on_taken(conn, previous generation)` inside the same
+    /// transaction when the ownership changes (a first owner, or a newer generation taking over;
+    /// not when the same generation takes it again): a caller writes the takeover's audit event
+    /// there, so the event exists if and only if the takeover committed. An error from it rolls
+    /// the takeover back.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Db::take_ownership`].
+    pub async fn take_ownership_noting(
+        &self,
+        family: &str,
+        generation: i64,
+        owner: &str,
+        on_taken: &OnTaken,
+    ) -> Result<Fence, DbError> {
         if generation < 1 {
             return Err(DbError::config(format!(
                 "deployment generation must be at least 1, got {generation}"
@@ -146,7 +174,7 @@ impl Db {
         }
         let never = tokio_util::sync::CancellationToken::new();
         let tried = crate::support::retrying(&never, || {
-            self.take_ownership_once(family, generation, owner)
+            self.take_ownership_once(family, generation, owner, on_taken)
         })
         .await;
         match tried {
@@ -171,6 +199,7 @@ impl Db {
         family: &str,
         generation: i64,
         owner: &str,
+        on_taken: &OnTaken,
     ) -> Result<Result<Fence, DbError>, WriteError> {
         let q = queries().for_dialect(self.dialect());
         let mut tx = self.begin_write().await.map_err(WriteError::NotCommitted)?;
@@ -197,6 +226,7 @@ impl Db {
                         .execute(tx.conn())
                         .await?;
                     write_stripes(tx.conn(), q, family, generation).await?;
+                    on_taken(tx.conn(), None).await?;
                 }
                 Some(g) if g < generation => {
                     sqlx::query(q.get("ownership_update"))
@@ -214,6 +244,7 @@ impl Db {
                         .execute(tx.conn())
                         .await?;
                     write_stripes(tx.conn(), q, family, generation).await?;
+                    on_taken(tx.conn(), Some(g)).await?;
                 }
                 Some(_) => {}
             }

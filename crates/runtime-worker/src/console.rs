@@ -779,9 +779,9 @@ async fn schedule_action(
     };
     let sid = nexuscrm_flow::ScheduleId(id);
     let done = if action == "pause" {
-        flow.pause(sid).await
+        flow.acting_as("console").pause(sid).await
     } else {
-        flow.resume(sid).await
+        flow.acting_as("console").resume(sid).await
     };
     match done {
         Ok(s) => {

@@ -210,9 +210,14 @@ fn json_arg(flag: &str, text: &str) -> Result<Value, AnyError> {
         .map_err(|e| format!("--{flag} is not JSON ({e}): {:?}", echo(text, 80)).into())
 }
 
-async fn pause_command(url: &str, command: PauseCommand) -> Result<ExitCode, AnyError> {
+async fn pause_command(
+    url: &str,
+    audit: bool,
+    command: PauseCommand,
+) -> Result<ExitCode, AnyError> {
     let db = Db::connect(url).await?;
-    let store = PausedFlow::open(db, PausedOptions::default()).await?;
+    // `pause resolve` writes its decision's audit event when `audit.enabled`.
+    let store = PausedFlow::open(db, PausedOptions::default().audit(audit)).await?;
     match command {
         PauseCommand::Create {
             run,
@@ -473,9 +478,13 @@ fn main() -> ExitCode {
 
 pub(crate) type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
-async fn open_flow(url: &str) -> Result<Flow, AnyError> {
+/// The CLI's Flow handle: its schedule changes write audit events (as `cli:$USER`) when
+/// `audit.enabled`.
+async fn open_flow(url: &str, audit: bool) -> Result<Flow, AnyError> {
     let db = Db::connect(url).await?;
-    Ok(Flow::open(db, 1, FlowOptions::default()).await?)
+    let options = FlowOptions::default().config(nexuscrm_flow::FlowConfig::default().audit(audit));
+    let actor = std::env::var("USER").map_or_else(|_| "cli".to_owned(), |u| format!("cli:{u}"));
+    Ok(Flow::open(db, 1, options).await?.acting_as(&actor))
 }
 
 async fn find(flow: &Flow, name: &str) -> Result<ScheduleId, AnyError> {
@@ -526,8 +535,12 @@ fn print_runs(runs: &[FlowRun]) {
     }
 }
 
-async fn schedule_command(url: &str, command: ScheduleCommand) -> Result<ExitCode, AnyError> {
-    let flow = open_flow(url).await?;
+async fn schedule_command(
+    url: &str,
+    audit: bool,
+    command: ScheduleCommand,
+) -> Result<ExitCode, AnyError> {
+    let flow = open_flow(url, audit).await?;
     match command {
         ScheduleCommand::Create {
             name,
@@ -717,8 +730,10 @@ async fn run(cli: Cli, settings: config::Settings) -> Result<ExitCode, AnyError>
             Ok(ExitCode::SUCCESS)
         }
         Command::Bulk { command } => bulk_command(&url, command).await,
-        Command::Schedule { command } => schedule_command(&url, command).await,
-        Command::Pause { command } => pause_command(&url, command).await,
+        Command::Schedule { command } => {
+            schedule_command(&url, settings.audit.enabled, command).await
+        }
+        Command::Pause { command } => pause_command(&url, settings.audit.enabled, command).await,
         Command::Formula { command } => formula_cli::formula_command(&url, command).await,
         Command::Audit { command } => audit_cli::audit_command(&settings, command).await,
         Command::Run { .. } => supervise::run(settings).await,
@@ -1079,7 +1094,14 @@ async fn demo(
     } else {
         None
     };
-    let flow = Flow::open(bulk.db().clone(), 1, FlowOptions::default()).await?;
+    let flow = Flow::open(
+        bulk.db().clone(),
+        1,
+        FlowOptions::default()
+            .config(nexuscrm_flow::FlowConfig::default().audit(settings.audit.enabled)),
+    )
+    .await?
+    .acting_as("demo");
     flow.take_ownership(&owner()).await?;
     let flow_ctl = Controller::new(
         flow.source(),
@@ -1177,9 +1199,6 @@ async fn demo(
         .chain(last.filter(|_| rows > 3))
         .collect();
     demo_formula.report(&shown).await?;
-    if let Some(a) = demo_audit {
-        a.report(shown.first().map(String::as_str)).await?;
-    }
     // Let the schedules fire a few times, then show their runs.
     let watch = Duration::from_secs(5);
     if let Some(rest) = watch.checked_sub(schedules_created.elapsed()) {
@@ -1247,7 +1266,13 @@ async fn demo(
     if let Err(e) = result {
         return Ok(exit_for(Err((e.is_poisoned(), e.to_string()))));
     }
-    demo_paused(url, bulk.db().clone(), run_id).await
+    let code = demo_paused(url, bulk.db().clone(), run_id).await?;
+    // Last, the trail: the rows Bulk applied, and the operator decisions (the schedules'
+    // creation and deletion, the uncertain pause's resolution through the CLI).
+    if let Some(a) = demo_audit {
+        a.report(shown.first().map(String::as_str)).await?;
+    }
+    Ok(code)
 }
 
 /// A demo family's controller, running: its handle, its stop token and its task.
@@ -1302,6 +1327,9 @@ impl DemoAudit {
     /// `subject`).
     async fn report(self, subject: Option<&str>) -> Result<(), AnyError> {
         let deadline = Instant::now() + Duration::from_secs(60);
+        // The CLI that resolved the pause is another process: wake the controller for its
+        // event (a running worker finds it through its reconciliation backstop or a wake).
+        self.audit.wake();
         loop {
             let o = self.audit.observations().await?;
             if o.undelivered == 0 {
@@ -1326,6 +1354,32 @@ impl DemoAudit {
         );
         for l in audit_cli::tail(&sink, None, 3)? {
             println!("  {}", audit_cli::format_line(&l));
+        }
+        let lines = nexuscrm_audit::read_lines(&sink)?;
+        let mut kinds = std::collections::BTreeMap::<&str, usize>::new();
+        for l in &lines {
+            *kinds.entry(l.kind.as_str()).or_default() += 1;
+        }
+        println!(
+            "  {} lines: {}",
+            lines.len(),
+            kinds
+                .iter()
+                .map(|(k, n)| format!("{k} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let decisions: Vec<_> = lines
+            .iter()
+            .filter(|l| l.kind != "record.applied")
+            .rev()
+            .take(3)
+            .collect();
+        if !decisions.is_empty() {
+            println!("  the latest operator decisions:");
+            for l in decisions.into_iter().rev() {
+                println!("  {}", audit_cli::format_line(l));
+            }
         }
         if let Some(subject) = subject {
             println!("  events about {subject} (`audit tail --subject {subject}`):");

@@ -187,6 +187,34 @@ const AUDIT_PROOFS: &[Proof] = &[
         what: "Bulk's crash matrix: after every crash the audit trail and the change log agree one to one",
         backends: ALL_BACKENDS,
     },
+    Proof {
+        file: "crates/audit/tests/audit.rs",
+        tests: &[
+            "an_ownership_takeover_writes_one_event_in_its_transaction_and_a_refused_one_none",
+        ],
+        what: "operator decisions: an ownership takeover writes its event in its transaction, a refused or rolled-back one none",
+        backends: ALL_BACKENDS,
+    },
+    Proof {
+        file: "crates/flow/tests/flow.rs",
+        tests: &[
+            "every_schedule_change_writes_one_audit_event_in_its_transaction_and_no_op_changes_none",
+        ],
+        what: "operator decisions: each schedule change writes one event with its actor, a no-op or refused change none",
+        backends: ALL_BACKENDS,
+    },
+    Proof {
+        file: "crates/paused/tests/worker.rs",
+        tests: &["an_ambiguous_effect_is_quarantined_never_resent_until_a_person_retries"],
+        what: "operator decisions: a committed pause resolution writes one event with its evidence, a refused one none",
+        backends: ALL_BACKENDS,
+    },
+    Proof {
+        file: "crates/runtime-worker/tests/process.rs",
+        tests: &["a_newer_generation_takes_over_and_the_older_one_exits_superseded"],
+        what: "the cutover fence: a newer generation's takeover writes one ownership.taken per family naming the one it replaced",
+        backends: "PostgreSQL",
+    },
 ];
 
 /// Every path the Runtime Worker runs, in start-up order.

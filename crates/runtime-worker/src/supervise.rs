@@ -133,7 +133,9 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         .lease(s.flow.lease)
         .misfire_grace(s.flow.misfire_grace)
         .listen(s.flow.listen)
-        .generation_poll(Some(s.flow.generation_poll));
+        .generation_poll(Some(s.flow.generation_poll))
+        // Schedule changes (the console's pause / resume) write their audit events.
+        .audit(s.audit.enabled);
     let flow = Flow::open(
         db.clone(),
         s.generation,
@@ -141,6 +143,7 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     )
     .await?;
     let mut paused_options = nexuscrm_paused::PausedOptions::default()
+        .audit(s.audit.enabled)
         .generation(s.generation)
         .lease(s.paused.lease)
         .generation_poll(Some(s.paused.generation_poll));
@@ -369,6 +372,20 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     // Admin HTTP is up before ownership and the startup reconciliation: /livez answers during a
     // slow start and /readyz says "not ready" until every controller reports Ready.
     let owned = async {
+        if audit.is_some() {
+            // Each takeover writes its `ownership.taken` event in its own transaction; the
+            // families' own calls below then find the generation in place and change nothing.
+            let running = [
+                (bulk_ctl.is_some(), nexuscrm_bulk::FAMILY),
+                (flow_ctl.is_some(), nexuscrm_flow::FAMILY),
+                (paused_ctl.is_some(), nexuscrm_paused::FAMILY),
+                (formula_ctl.is_some(), nexuscrm_formula::FAMILY),
+                (true, nexuscrm_audit::FAMILY),
+            ];
+            for (_, family) in running.iter().filter(|(on, _)| *on) {
+                nexuscrm_audit::take_ownership_audited(&db, family, s.generation, &owner()).await?;
+            }
+        }
         if bulk_ctl.is_some() {
             bulk.take_ownership(&owner()).await?;
         }

@@ -37,6 +37,19 @@ impl Drop for Worker {
     }
 }
 
+/// Waits until `w` answers `/readyz` with 200, failing with its log after `within`.
+async fn wait_ready(w: &Worker, within: Duration) {
+    let deadline = Instant::now() + within;
+    while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
+        assert!(
+            Instant::now() < deadline,
+            "never ready: {}",
+            w.log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn start(url: &str, extra: &[&str]) -> Worker {
     start_leased(url, "0.5", extra)
 }
@@ -220,11 +233,7 @@ async fn assert_exactly_once(db: &Db, rows: i64) {
 async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
     let t = TestDb::create(Dialect::Sqlite, "admin").await.unwrap();
     let mut w = start(&t.url, &[]);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
-        assert!(Instant::now() < deadline, "never ready");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_ready(&w, Duration::from_secs(30)).await;
     assert_eq!(get(w.port, "/livez").unwrap().0, 200);
     let (code, body) = get(w.port, "/snapshot").unwrap();
     assert_eq!(code, 200);
@@ -434,7 +443,8 @@ async fn a_newer_generation_takes_over_and_the_older_one_exits_superseded() {
     let mut old = start(&t.url, &["--generation", "1"]);
     let db = Db::connect(&t.url).await.unwrap();
     wait_all_succeeded(&db, 1, Duration::from_secs(60)).await;
-    assert_eq!(get(old.port, "/readyz").unwrap().0, 200);
+    // Bulk has run a job; the process is ready once every controller has reconciled.
+    wait_ready(&old, Duration::from_secs(30)).await;
     let mut new = start(&t.url, &["--generation", "2"]);
     // The takeover notifies the family channel: the fenced-out process reconciles, learns it
     // is superseded, goes unready and exits 1 (not 2: nothing is in doubt), well before any
@@ -469,6 +479,30 @@ async fn a_newer_generation_takes_over_and_the_older_one_exits_superseded() {
     signal(&new, "-TERM");
     assert!(wait_exit(&mut new, Duration::from_secs(20)).success());
     assert_exactly_once(&db, 251).await;
+    // The cutover fence wrote its audit trail: one `ownership.taken` per family and generation,
+    // the second naming the first as the one it replaced; the refused start wrote none.
+    let taken: Vec<(String, serde_json::Value)> = nexuscrm_audit::outbox(&db)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|l| l.kind == "ownership.taken")
+        .map(|l| (l.event_id, l.body))
+        .collect();
+    for family in ["bulk", "flow", "formula", "audit"] {
+        let of = |g: i64| {
+            taken
+                .iter()
+                .filter(|(id, _)| *id == format!("ownership-{family}-g{g}"))
+                .map(|(_, b)| b.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(of(1).len(), 1, "{family}: {taken:?}");
+        assert_eq!(
+            of(2),
+            [serde_json::json!({"family": family, "generation": 2, "previous": 1})],
+            "{family}: {taken:?}"
+        );
+    }
     db.close().await;
     t.drop_database().await;
 }
@@ -501,15 +535,7 @@ async fn readyz_is_not_200_until_the_startup_reconciliation_completes() {
         "alive while starting"
     );
     holder.rollback().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
-        assert!(
-            Instant::now() < deadline,
-            "never ready: {}",
-            w.log.lock().unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_ready(&w, Duration::from_secs(30)).await;
     stop_clean(&mut w);
     db.close().await;
     t.drop_database().await;
@@ -868,15 +894,7 @@ async fn readyz_follows_the_database_within_three_seconds() {
     let proxy = CutProxy::start(5432).await.unwrap();
     let url = proxy.route(&t.url, 5432).expect("a URL on port 5432");
     let mut w = start(&url, &[]);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
-        assert!(
-            Instant::now() < deadline,
-            "never ready: {}",
-            w.log.lock().unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_ready(&w, Duration::from_secs(30)).await;
     proxy.set_cut(true);
     let cut_at = Instant::now();
     let (code, body) = loop {
@@ -933,15 +951,7 @@ async fn readyz_follows_the_database_within_three_seconds() {
         "liveness does not follow the database"
     );
     proxy.set_cut(false);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while get(w.port, "/readyz").map(|r| r.0) != Some(200) {
-        assert!(
-            Instant::now() < deadline,
-            "never ready again: {}",
-            w.log.lock().unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_ready(&w, Duration::from_secs(60)).await;
     stop_clean(&mut w);
     t.drop_database().await;
 }
@@ -1359,18 +1369,32 @@ async fn the_demo_shows_bulk_schedules_derived_values_and_a_paused_resumed_and_u
             "Account roll-up",
             "Audit trail (audit=durable-critical/idempotent-or-observable): every event delivered",
             "record.applied",
+            "the latest operator decisions:",
+            "pause.resolved",
         ] {
             assert!(stdout.contains(want), "round {round}: {want:?} in {stdout}");
         }
     }
-    // The audit file holds one line per applied row of both rounds, each once.
+    // The audit file holds one line per applied row of both rounds and one per operator
+    // decision (three schedules created and deleted, one uncertain pause resolved, per round;
+    // ownership taken once per family by the first round), each once.
     let file = audit_file(&t.url);
     let text = std::fs::read_to_string(&file).unwrap();
+    let mut kinds = std::collections::BTreeMap::<String, i64>::new();
     let ids: Vec<String> = text
         .lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            assert_eq!(v["kind"], "record.applied", "{l}");
+            *kinds
+                .entry(v["kind"].as_str().unwrap().to_owned())
+                .or_default() += 1;
+            if v["kind"] == "pause.resolved" {
+                assert_eq!(v["actor"], "demo-operator", "{l}");
+                assert_eq!(v["body"]["decision"], "applied", "{l}");
+            }
+            if v["kind"].as_str().unwrap().starts_with("schedule.") {
+                assert_eq!(v["actor"], "demo", "{l}");
+            }
             v["event_id"].as_str().unwrap().to_owned()
         })
         .collect();
@@ -1378,14 +1402,38 @@ async fn the_demo_shows_bulk_schedules_derived_values_and_a_paused_resumed_and_u
         .fetch_one(t.db.pool())
         .await
         .unwrap();
-    assert_eq!(ids.len() as i64, changes, "one line per applied row");
+    assert_eq!(
+        kinds["record.applied"], changes,
+        "one line per applied row: {kinds:?}"
+    );
     assert_eq!(changes, 200);
+    assert_eq!(kinds["schedule.created"], 6, "{kinds:?}");
+    assert_eq!(kinds["schedule.deleted"], 6, "{kinds:?}");
+    assert_eq!(kinds["pause.resolved"], 2, "{kinds:?}");
+    let decisions: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM audit_event WHERE kind <> 'record.applied'")
+            .fetch_one(t.db.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        decisions,
+        kinds
+            .iter()
+            .filter(|(k, _)| *k != "record.applied")
+            .map(|(_, n)| n)
+            .sum::<i64>(),
+        "every decision's event is in the file, and only those: {kinds:?}"
+    );
     let distinct: std::collections::HashSet<&String> = ids.iter().collect();
     assert_eq!(distinct.len(), ids.len(), "no line repeats");
     let (ok, out, err) = cli(&t.url, &["audit", "tail", "-n", "2"]);
     assert!(ok, "{err}");
     assert_eq!(out.lines().count(), 2, "{out}");
-    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    let first: serde_json::Value = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["kind"] == "record.applied")
+        .unwrap();
     let subject = first["subject"].as_str().unwrap();
     let (ok, out, err) = cli(&t.url, &["audit", "tail", "--subject", subject, "--json"]);
     assert!(ok, "{err}");

@@ -7,6 +7,9 @@ INSERT INTO audit_event (event_id, subject, kind, actor, at, body) VALUES
 SELECT holder, lease_until FROM audit_delivery WHERE id = 1 FOR UPDATE
 -- name: lease_take
 UPDATE audit_delivery SET holder = $1, lease_until = $2 WHERE id = 1
+-- Inspection: every event, delivered or not, in sequence order.
+-- name: stored
+SELECT seq, event_id, subject, kind, actor, at, body FROM audit_event ORDER BY seq
 -- name: pending
 SELECT seq, event_id, subject, kind, actor, at, body FROM audit_event
 WHERE delivered_at IS NULL ORDER BY seq LIMIT $1
