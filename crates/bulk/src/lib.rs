@@ -30,7 +30,8 @@ use nexuscrm_worker::{Declaration, Durability, Effect};
 pub use source::{BulkAttempt, BulkSource};
 pub use store::{
     Bulk, BulkConfig, BulkError, BulkErrorKind, BulkOptions, CHANNEL, JobId, JobStatus, MAX_ROWS,
-    MAX_SEGMENT_SIZE, MIGRATIONS, NewJob, Observations, RowError, RowInput, Submitted,
+    MAX_SEGMENT_SIZE, MIGRATIONS, NewJob, Observations, RowError, RowInput, SegmentCommitted,
+    Submitted,
 };
 
 /// The text of one of the family's named statements for `dialect` (from

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use nexuscrm_persistence::family;
 use nexuscrm_persistence::support::{new_token, retrying, text, to_ms};
 
-use crate::store::{Bulk, queries, row_problem};
+use crate::store::{Bulk, JobId, SegmentCommitted, queries, row_problem};
 
 /// The Bulk family's [`Source`]: claims due jobs (and jobs whose lease expired), answers
 /// `next_work_at` from two indexed reads, and releases jobs leased by older generations on
@@ -321,7 +321,13 @@ pub struct BulkAttempt {
 
 enum Segment {
     Lost,
-    Progress { cursor: i64, done: bool },
+    Progress {
+        cursor: i64,
+        done: bool,
+        /// Rows this segment applied and rejected.
+        applied: u64,
+        rejected: u64,
+    },
 }
 
 fn crash(e: nexuscrm_worker::fault::Crash) -> AttemptError {
@@ -466,6 +472,7 @@ impl BulkAttempt {
                     let size: i64 = job.try_get(2)?;
                     let mut applied: i64 = job.try_get(3)?;
                     let mut rejected: i64 = job.try_get(4)?;
+                    let before = (applied, rejected);
                     let rows = sqlx::query(q.get("segment_rows"))
                         .bind(id)
                         .bind(cursor)
@@ -522,7 +529,12 @@ impl BulkAttempt {
                         // Roll the segment back: we no longer hold the job.
                         return Err(sqlx::Error::RowNotFound);
                     }
-                    Ok(Segment::Progress { cursor: next, done })
+                    Ok(Segment::Progress {
+                        cursor: next,
+                        done,
+                        applied: (applied - before.0).max(0) as u64,
+                        rejected: (rejected - before.1).max(0) as u64,
+                    })
                 })
             })
             .await
@@ -586,10 +598,20 @@ impl BulkAttempt {
                     faults.hit(CrashPoint::LeaseExpiry).map_err(crash)?;
                     return Ok(());
                 }
-                Ok(Segment::Progress { cursor: next, done }) => {
+                Ok(Segment::Progress {
+                    cursor: next,
+                    done,
+                    applied,
+                    rejected,
+                }) => {
                     cursor = next;
                     progressed = true;
                     self.bulk.records_changed().await;
+                    self.bulk.segment_committed(SegmentCommitted {
+                        job: JobId(self.job.id),
+                        applied,
+                        rejected,
+                    });
                     faults.hit(CrashPoint::AfterEffect).map_err(crash)?;
                     if done {
                         faults.hit(CrashPoint::AfterDisposition).map_err(crash)?;

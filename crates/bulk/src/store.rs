@@ -360,6 +360,19 @@ impl From<Crash> for BulkError {
     }
 }
 
+/// A segment that committed (see [`Bulk::on_segment_committed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentCommitted {
+    /// The job.
+    pub job: JobId,
+    /// Rows the segment applied.
+    pub applied: u64,
+    /// Rows the segment rejected (with their reasons).
+    pub rejected: u64,
+}
+
+pub(crate) type SegmentHook = Arc<dyn Fn(&SegmentCommitted) + Send + Sync>;
+
 /// A job's state, as the store records it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobStatus {
@@ -447,6 +460,7 @@ pub(crate) struct Inner {
     pub(crate) probe: GenerationProbe,
     pub(crate) records_probe: Option<GenerationProbe>,
     pub(crate) record_watchers: std::sync::Mutex<Vec<nexuscrm_worker::Waker>>,
+    pub(crate) segment_hooks: std::sync::Mutex<Vec<SegmentHook>>,
 }
 
 /// The PostgreSQL notification channel of the Bulk family.
@@ -542,6 +556,7 @@ impl Bulk {
                 probe,
                 records_probe,
                 record_watchers: std::sync::Mutex::new(Vec::new()),
+                segment_hooks: std::sync::Mutex::new(Vec::new()),
                 db,
                 cfg: options.config,
                 clock: options.clock,
@@ -561,6 +576,30 @@ impl Bulk {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(waker);
+    }
+
+    /// Calls `hook` after every segment that commits in this process, with the rows it applied
+    /// and rejected (after the commit, outside the transaction, on the attempt's task: a hook
+    /// must not block; product telemetry pushes into a bounded buffer and returns).
+    pub fn on_segment_committed(&self, hook: impl Fn(&SegmentCommitted) + Send + Sync + 'static) {
+        self.inner
+            .segment_hooks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(Arc::new(hook));
+    }
+
+    /// Runs the segment hooks.
+    pub(crate) fn segment_committed(&self, done: SegmentCommitted) {
+        let hooks = self
+            .inner
+            .segment_hooks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        for h in &hooks {
+            h(&done);
+        }
     }
 
     /// Tells watchers (and, when announcing, other processes) that a segment committed.

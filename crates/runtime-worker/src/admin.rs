@@ -267,6 +267,8 @@ pub(crate) struct Admin {
     pub(crate) resume: Option<crate::resume::ResumeEndpoint>,
     /// What the console may do (read-only without `console_secret`).
     pub(crate) console: crate::console::Actions,
+    /// Product telemetry, when `[telemetry]` is enabled (best-effort figures).
+    pub(crate) telemetry: Option<nexuscrm_telemetry::Telemetry>,
 }
 
 pub(crate) fn router(admin: Admin) -> Router {
@@ -339,11 +341,14 @@ fn snapshot_json(s: &Snapshot) -> Value {
 /// `/families`: the registry of asynchronous paths (declaration, owner, proofs), each marked
 /// with whether this process runs it.
 async fn families(State(admin): State<Admin>) -> Response {
-    let running: Vec<&str> = admin
+    let mut running: Vec<&str> = admin
         .families
         .iter()
         .map(|f| f.declaration.family())
         .collect();
+    if admin.telemetry.is_some() {
+        running.push(nexuscrm_telemetry::FAMILY);
+    }
     axum::Json(crate::registry::json(&running)).into_response()
 }
 
@@ -366,7 +371,32 @@ async fn snapshot(State(admin): State<Admin>) -> Response {
             "observations": observations,
         }));
     }
-    axum::Json(json!({ "families": families })).into_response()
+    let telemetry = admin
+        .telemetry
+        .as_ref()
+        .map(|t| telemetry_json(&t.report()));
+    axum::Json(json!({ "families": families, "telemetry": telemetry })).into_response()
+}
+
+/// Telemetry's figures: best-effort, so never a total that claims completeness.
+pub(crate) fn telemetry_json(r: &nexuscrm_telemetry::TelemetryReport) -> Value {
+    let dropped: serde_json::Map<String, Value> = r
+        .dropped
+        .iter()
+        .map(|(reason, n)| (reason.as_str().to_owned(), json!(n)))
+        .collect();
+    json!({
+        "family": nexuscrm_telemetry::FAMILY,
+        "declaration": nexuscrm_telemetry::DECLARATION.to_string(),
+        "best_effort": true,
+        "exporting": r.exporting,
+        "emitted": r.emitted,
+        "exported": r.exported,
+        "dropped": dropped,
+        "dropped_total": r.dropped_total(),
+        "pending": r.pending,
+        "summary": r.to_string(),
+    })
 }
 
 /// `/metrics`: every family's controller figures and cached observations, encoded by
@@ -388,7 +418,7 @@ async fn metrics(State(admin): State<Admin>) -> Response {
     }
     (
         [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
-        crate::metrics::render(readings),
+        crate::metrics::render(readings, admin.telemetry.map(|t| t.report())),
     )
         .into_response()
 }

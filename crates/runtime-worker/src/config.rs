@@ -31,6 +31,34 @@ pub(crate) struct RawConfig {
     pub(crate) paused: Option<RawPaused>,
     pub(crate) formula: Option<RawFormula>,
     pub(crate) audit: Option<RawAudit>,
+    pub(crate) telemetry: Option<RawTelemetry>,
+}
+
+/// The `[telemetry]` table (best-effort product usage events over OTLP/HTTP).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawTelemetry {
+    pub(crate) enabled: Option<bool>,
+    /// The OTLP/HTTP logs URL; without one nothing is exported.
+    pub(crate) endpoint: Option<String>,
+    /// The tenant the usage events name.
+    pub(crate) tenant: Option<String>,
+    pub(crate) buffer: Option<usize>,
+    pub(crate) batch: Option<usize>,
+    pub(crate) interval_ms: Option<u64>,
+    pub(crate) timeout_secs: Option<f64>,
+}
+
+/// Validated `[telemetry]` settings.
+#[derive(Debug, Clone)]
+pub(crate) struct TelemetrySettings {
+    pub(crate) enabled: bool,
+    pub(crate) endpoint: Option<String>,
+    pub(crate) tenant: String,
+    pub(crate) buffer: usize,
+    pub(crate) batch: usize,
+    pub(crate) interval: Duration,
+    pub(crate) timeout: Duration,
 }
 
 /// The `[audit]` table (the audit outbox and its JSON Lines file sink).
@@ -168,6 +196,7 @@ pub(crate) struct Settings {
     pub(crate) paused: PausedSettings,
     pub(crate) formula: FormulaSettings,
     pub(crate) audit: AuditSettings,
+    pub(crate) telemetry: TelemetrySettings,
 }
 
 /// Validated `[formula]` settings.
@@ -374,6 +403,22 @@ impl RawConfig {
             );
             self.audit = Some(a);
         }
+        if let Some(ot) = other.telemetry {
+            let mut t = self.telemetry.take().unwrap_or_default();
+            macro_rules! taket {
+                ($($f:ident),*) => { $( if ot.$f.is_some() { t.$f = ot.$f; } )* };
+            }
+            taket!(
+                enabled,
+                endpoint,
+                tenant,
+                buffer,
+                batch,
+                interval_ms,
+                timeout_secs
+            );
+            self.telemetry = Some(t);
+        }
         self
     }
 
@@ -447,8 +492,18 @@ impl RawConfig {
             lease_secs: parse("NEXUSCRM_AUDIT_LEASE_SECS")?,
             reconcile_interval_secs: parse("NEXUSCRM_AUDIT_RECONCILE_INTERVAL_SECS")?,
         };
+        let telemetry = RawTelemetry {
+            enabled: parse("NEXUSCRM_TELEMETRY_ENABLED")?,
+            endpoint: var("NEXUSCRM_TELEMETRY_ENDPOINT"),
+            tenant: var("NEXUSCRM_TELEMETRY_TENANT"),
+            buffer: parse("NEXUSCRM_TELEMETRY_BUFFER")?,
+            batch: parse("NEXUSCRM_TELEMETRY_BATCH")?,
+            interval_ms: parse("NEXUSCRM_TELEMETRY_INTERVAL_MS")?,
+            timeout_secs: parse("NEXUSCRM_TELEMETRY_TIMEOUT_SECS")?,
+        };
         Ok(RawConfig {
             audit: Some(audit),
+            telemetry: Some(telemetry),
             flow: Some(flow),
             paused: Some(paused),
             formula: Some(formula),
@@ -631,8 +686,10 @@ impl RawConfig {
         let paused = validate_paused(self.paused.unwrap_or_default())?;
         let formula = validate_formula(self.formula.unwrap_or_default())?;
         let audit = validate_audit(self.audit.unwrap_or_default())?;
+        let telemetry = validate_telemetry(self.telemetry.unwrap_or_default())?;
         Ok(Settings {
             audit,
+            telemetry,
             flow,
             paused,
             formula,
@@ -685,6 +742,36 @@ fn validate_audit(a: RawAudit) -> Result<AuditSettings, String> {
             "audit.reconcile_interval_secs",
             a.reconcile_interval_secs.unwrap_or(300),
         )?,
+    })
+}
+
+fn validate_telemetry(t: RawTelemetry) -> Result<TelemetrySettings, String> {
+    let endpoint = t.endpoint.filter(|e| !e.trim().is_empty());
+    if let Some(e) = &endpoint {
+        nexuscrm_telemetry::check_endpoint(e).map_err(|why| bad("telemetry.endpoint", why))?;
+    }
+    let tenant = t.tenant.unwrap_or_else(|| "default".into());
+    if tenant.trim().is_empty() || tenant.len() > 191 {
+        return Err(bad("telemetry.tenant", "must be 1 to 191 bytes"));
+    }
+    Ok(TelemetrySettings {
+        enabled: t.enabled.unwrap_or(true),
+        endpoint,
+        tenant,
+        buffer: within("telemetry.buffer", t.buffer.unwrap_or(10_000), 1, 1_000_000)?,
+        batch: within("telemetry.batch", t.batch.unwrap_or(512), 1, 100_000)?,
+        interval: Duration::from_millis(within(
+            "telemetry.interval_ms",
+            t.interval_ms.unwrap_or(5_000),
+            1,
+            3_600_000,
+        )?),
+        timeout: Duration::from_secs_f64(within(
+            "telemetry.timeout_secs",
+            t.timeout_secs.unwrap_or(10.0),
+            0.1,
+            300.0,
+        )?),
     })
 }
 

@@ -1068,6 +1068,7 @@ mod tests {
             database: Arc::new(DatabaseCheck::new(db.clone())),
             resume: None,
             console,
+            telemetry: None,
         })
     }
 

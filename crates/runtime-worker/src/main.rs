@@ -1089,6 +1089,19 @@ async fn demo(
     )
     .await?;
     bulk.take_ownership(&owner()).await?;
+    // Usage telemetry, best-effort: exported when `telemetry.endpoint` is set, otherwise every
+    // event is counted as dropped (`no_exporter`); the demo prints which.
+    let telemetry = supervise::start_telemetry(settings)?;
+    {
+        let (t, tenant) = (telemetry.clone(), settings.telemetry.tenant.clone());
+        bulk.on_segment_committed(move |seg| {
+            t.emit(nexuscrm_telemetry::UsageEvent::new(
+                tenant.as_str(),
+                "bulk.rows_applied",
+                seg.applied,
+            ));
+        });
+    }
     let demo_audit = if settings.audit.enabled {
         Some(DemoAudit::start(&bulk, settings).await?)
     } else {
@@ -1272,6 +1285,11 @@ async fn demo(
     if let Some(a) = demo_audit {
         a.report(shown.first().map(String::as_str)).await?;
     }
+    let within = settings.telemetry.timeout.min(Duration::from_secs(5));
+    let report = tokio::task::spawn_blocking(move || telemetry.shutdown(within))
+        .await
+        .map_err(|e| format!("telemetry: {e}"))?;
+    println!("Usage: {report}");
     Ok(code)
 }
 

@@ -262,6 +262,59 @@ const HISTOGRAMS: &[HistogramOf] = &[
 #[derive(Debug)]
 struct Readings(Vec<Reading>);
 
+/// Telemetry's own figures (not per family): best-effort counts, drops by reason.
+#[derive(Debug)]
+struct TelemetryFigures(nexuscrm_telemetry::TelemetryReport);
+
+impl Collector for TelemetryFigures {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let r = &self.0;
+        {
+            let mut m = e.encode_descriptor(
+                "telemetry_dropped",
+                "Telemetry events dropped, by reason (best-effort: overflow, exporter_error, \
+                 shutdown, crash, no_exporter).",
+                None,
+                MetricType::Counter,
+            )?;
+            for (reason, n) in r.dropped {
+                let labels = [
+                    ("family", nexuscrm_telemetry::FAMILY),
+                    ("reason", reason.as_str()),
+                ];
+                m.encode_family(&labels)?
+                    .encode_counter::<NoLabelSet, _, u64>(&n, None)?;
+            }
+        }
+        for (name, help, n) in [
+            (
+                "telemetry_emitted",
+                "Telemetry events offered to the buffer (best-effort).",
+                r.emitted,
+            ),
+            (
+                "telemetry_exported",
+                "Telemetry events in batches the exporter accepted (best-effort: never a \
+                 complete count of usage).",
+                r.exported,
+            ),
+        ] {
+            e.encode_descriptor(name, help, None, MetricType::Counter)?
+                .encode_family(&[("family", nexuscrm_telemetry::FAMILY)])?
+                .encode_counter::<NoLabelSet, _, u64>(&n, None)?;
+        }
+        e.encode_descriptor(
+            "telemetry_pending_events",
+            "Telemetry events buffered or being exported now.",
+            None,
+            MetricType::Gauge,
+        )?
+        .encode_family(&[("family", nexuscrm_telemetry::FAMILY)])?
+        .encode_gauge(&(r.pending as i64))?;
+        Ok(())
+    }
+}
+
 impl Collector for Readings {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         for (name, help, value) in COUNTERS {
@@ -340,10 +393,16 @@ impl Collector for Readings {
     }
 }
 
-/// The OpenMetrics text of `readings` (ends with `# EOF`).
-pub(crate) fn render(readings: Vec<Reading>) -> String {
+/// The OpenMetrics text of `readings` and of telemetry's figures (ends with `# EOF`).
+pub(crate) fn render(
+    readings: Vec<Reading>,
+    telemetry: Option<nexuscrm_telemetry::TelemetryReport>,
+) -> String {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(Readings(readings)));
+    if let Some(t) = telemetry {
+        registry.register_collector(Box::new(TelemetryFigures(t)));
+    }
     let mut out = String::new();
     // Writing into a String cannot fail; a collector error would be a bug in this module.
     if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &registry) {
@@ -378,11 +437,25 @@ mod tests {
             ("nexuscrm_queue_jobs", Some("pending"), 3.0),
             ("nexuscrm_queue_eligible", None, 2.0),
         ];
-        let text = render(vec![Reading {
-            family: "bulk".into(),
-            snapshot,
-            observed: Some((gauges, Duration::from_millis(1500))),
-        }]);
+        let telemetry = nexuscrm_telemetry::Telemetry::disabled();
+        telemetry.emit(nexuscrm_telemetry::UsageEvent::new(
+            "acme",
+            "bulk.rows_applied",
+            5,
+        ));
+        telemetry.emit(nexuscrm_telemetry::UsageEvent::new(
+            "acme",
+            "bulk.rows_applied",
+            6,
+        ));
+        let text = render(
+            vec![Reading {
+                family: "bulk".into(),
+                snapshot,
+                observed: Some((gauges, Duration::from_millis(1500))),
+            }],
+            Some(telemetry.report()),
+        );
         assert!(text.ends_with("# EOF\n"), "{text}");
         assert!(text.contains("# TYPE nexuscrm_worker_claim_calls counter"));
         let scrape = parse(&text);
@@ -424,6 +497,18 @@ mod tests {
             Some(3.0)
         );
         assert_eq!(value("nexuscrm_queue_eligible", &[]), Some(2.0));
+        // Telemetry's drops, by reason; every reason is present, zero or not.
+        assert_eq!(
+            value("telemetry_dropped_total", &[("reason", "no_exporter")]),
+            Some(2.0)
+        );
+        assert_eq!(
+            value("telemetry_dropped_total", &[("reason", "overflow")]),
+            Some(0.0)
+        );
+        assert_eq!(value("telemetry_emitted_total", &[]), Some(2.0));
+        assert_eq!(value("telemetry_exported_total", &[]), Some(0.0));
+        assert_eq!(value("telemetry_pending_events", &[]), Some(0.0));
         assert_eq!(value("nexuscrm_observations_age_seconds", &[]), Some(1.5));
         // The histograms, with cumulative buckets up to +Inf.
         let histograms: HashMap<&str, &Vec<prometheus_parse::HistogramCount>> = scrape

@@ -217,6 +217,33 @@ const AUDIT_PROOFS: &[Proof] = &[
     },
 ];
 
+/// Where `telemetry` is proven.
+const TELEMETRY_PROOFS: &[Proof] = &[
+    Proof {
+        file: "crates/telemetry/tests/telemetry.rs",
+        tests: &[
+            "telemetry_passes_the_kits_loss_harness_against_a_local_otlp_receiver",
+            "events_reach_the_receiver_as_otlp_log_records_with_their_attributes",
+            "a_full_buffer_drops_and_counts_overflow_and_shutdown_counts_what_was_left",
+            "without_an_exporter_every_event_is_counted_as_dropped_and_bad_endpoints_are_refused",
+        ],
+        what: "the kit's loss harness (clean, a failing receiver, a crash before and after a batch) against a local OTLP/HTTP receiver: every event exported or counted dropped, never reported complete; overflow, shutdown and no-exporter drops counted",
+        backends: "in memory, OTLP/HTTP",
+    },
+    Proof {
+        file: "crates/telemetry/tests/telemetry.rs",
+        tests: &["a_hung_exporter_never_delays_a_bulk_segment"],
+        what: "a hung exporter never delays a Bulk job's segments",
+        backends: ALL_BACKENDS,
+    },
+    Proof {
+        file: "crates/runtime-worker/tests/process.rs",
+        tests: &["usage_events_reach_a_local_otlp_receiver_and_drops_are_counted_by_reason"],
+        what: "the Runtime Worker exports Bulk's usage to a local OTLP/HTTP receiver; /metrics and /snapshot count drops by reason",
+        backends: "SQLite",
+    },
+];
+
 /// Every path the Runtime Worker runs, in start-up order.
 pub(crate) fn paths() -> Vec<Path> {
     vec![
@@ -244,6 +271,11 @@ pub(crate) fn paths() -> Vec<Path> {
             declaration: nexuscrm_audit::DECLARATION,
             owner: "nexuscrm-audit",
             proofs: AUDIT_PROOFS,
+        },
+        Path {
+            declaration: nexuscrm_telemetry::DECLARATION,
+            owner: "nexuscrm-telemetry",
+            proofs: TELEMETRY_PROOFS,
         },
     ]
 }

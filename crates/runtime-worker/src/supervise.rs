@@ -122,6 +122,9 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         }
         _ => Faults::none(),
     };
+    // Product telemetry: best-effort, from a thread of its own (a hung collector never holds
+    // a worker thread or a transaction); without an endpoint nothing is exported.
+    let telemetry = start_telemetry(&s)?;
     // Both families migrate (so producers can use either); each runs only when enabled.
     let bulk = Bulk::open(
         db.clone(),
@@ -129,6 +132,24 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         BulkOptions::default().config(cfg).faults(faults),
     )
     .await?;
+    {
+        // Usage per committed segment: a push into the bounded buffer, never a wait.
+        let (t, tenant) = (telemetry.clone(), s.telemetry.tenant.clone());
+        bulk.on_segment_committed(move |seg| {
+            t.emit(nexuscrm_telemetry::UsageEvent::new(
+                tenant.as_str(),
+                "bulk.rows_applied",
+                seg.applied,
+            ));
+            if seg.rejected > 0 {
+                t.emit(nexuscrm_telemetry::UsageEvent::new(
+                    tenant.as_str(),
+                    "bulk.rows_rejected",
+                    seg.rejected,
+                ));
+            }
+        });
+    }
     let flow_cfg = FlowConfig::default()
         .lease(s.flow.lease)
         .misfire_grace(s.flow.misfire_grace)
@@ -342,6 +363,7 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
             .map(|secret| crate::resume::ResumeEndpoint::new(paused.clone(), secret)),
         console: crate::console::Actions::new(s.console_secret.clone())
             .ending_with(admin_stop.clone()),
+        telemetry: s.telemetry.enabled.then(|| telemetry.clone()),
     };
     if admin_state.resume.is_some() {
         tracing::info!(
@@ -419,6 +441,12 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
     signals.abort();
     admin_stop.cancel();
     let _ = server.await;
+    // The last usage events get one bounded try; what is left is dropped and counted.
+    let t = telemetry.clone();
+    let within = s.telemetry.timeout.min(Duration::from_secs(5));
+    if let Ok(report) = tokio::task::spawn_blocking(move || t.shutdown(within)).await {
+        tracing::info!("{report}");
+    }
     let ended = [
         bulk_ended,
         flow_ended,
@@ -461,6 +489,27 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         );
         ExitCode::from(2)
     })
+}
+
+/// The telemetry pipeline `[telemetry]` describes: exporting over OTLP/HTTP when it names an
+/// endpoint, otherwise (or when disabled) counting every event as dropped (`no_exporter`).
+pub(crate) fn start_telemetry(s: &Settings) -> Result<nexuscrm_telemetry::Telemetry, AnyError> {
+    let t = &s.telemetry;
+    let Some(endpoint) = t.endpoint.as_deref().filter(|_| t.enabled) else {
+        return Ok(nexuscrm_telemetry::Telemetry::disabled());
+    };
+    let exporter = nexuscrm_telemetry::OtlpExporter::new(endpoint, t.timeout)
+        .map_err(|e| format!("config key `telemetry.endpoint`: {e}"))?;
+    let telemetry = nexuscrm_telemetry::Telemetry::start(
+        exporter,
+        nexuscrm_telemetry::TelemetryOptions::default()
+            .buffer(t.buffer)
+            .batch(t.batch)
+            .interval(t.interval),
+    )
+    .map_err(|e| format!("starting the telemetry thread: {e}"))?;
+    tracing::info!("telemetry (best-effort) exports usage events to {endpoint}");
+    Ok(telemetry)
 }
 
 /// The audit family's options from `[audit]`.

@@ -7,6 +7,8 @@
 //!   only; persistence depends on no family or domain;
 //! - the audit outbox (whose `record` families call in their transactions) depends on no
 //!   family or domain;
+//! - telemetry depends on no family, domain, outbox or persistence (usage reaches it through
+//!   the process's hooks);
 //! - production code (controller, persistence, families, the process) never depends on the
 //!   conformance kit outside `[dev-dependencies]`;
 //! - every workspace member is classified here, so a new crate must say what it is.
@@ -29,6 +31,9 @@ enum Role {
     /// outbox); it depends on persistence and the controller only, never on a family.
     Outbox,
     Process,
+    /// Best-effort telemetry: families' usage reaches it through the process's hooks, so it
+    /// depends on the controller only, never on a family, domain or persistence.
+    Telemetry,
     /// A measurement tool run by hand and in CI, never deployed (it reuses the kit's counting
     /// wrapper on purpose).
     Tool,
@@ -42,6 +47,7 @@ fn role(name: &str) -> Option<Role> {
         "nexuscrm-records" => Role::Domain,
         "nexuscrm-bulk" | "nexuscrm-flow" | "nexuscrm-paused" | "nexuscrm-formula" => Role::Family,
         "nexuscrm-audit" => Role::Outbox,
+        "nexuscrm-telemetry" => Role::Telemetry,
         "nexuscrm-runtime-worker" => Role::Process,
         "nexuscrm-evidence" | "nexuscrm-chaos" => Role::Tool,
         _ => return None,
@@ -93,6 +99,14 @@ fn violations(metadata: &Value) -> Vec<String> {
             {
                 out.push(format!("outbox {name} depends on {dep}"));
             }
+            if me == Role::Telemetry
+                && matches!(
+                    theirs,
+                    Some(Role::Family | Role::Domain | Role::Outbox | Role::Persistence)
+                )
+            {
+                out.push(format!("telemetry {name} depends on {dep}"));
+            }
             if me == Role::Domain && matches!(theirs, Some(Role::Family | Role::Domain)) {
                 out.push(format!("domain {name} depends on {dep}"));
             }
@@ -103,6 +117,7 @@ fn violations(metadata: &Value) -> Vec<String> {
                     | Role::Domain
                     | Role::Family
                     | Role::Outbox
+                    | Role::Telemetry
                     | Role::Process
             );
             if production && theirs == Some(Role::Kit) {

@@ -311,7 +311,8 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
                 && (name_labels.contains("family=\"bulk\"")
                     || name_labels.contains("family=\"flow\"")
                     || name_labels.contains("family=\"formula\"")
-                    || name_labels.contains("family=\"audit\"")),
+                    || name_labels.contains("family=\"audit\"")
+                    || name_labels.contains("family=\"telemetry\"")),
             "{line:?}"
         );
         samples += 1;
@@ -337,13 +338,21 @@ async fn readyz_snapshot_and_metrics_answer_and_sigterm_exits_zero() {
         .as_u64()
         .unwrap();
     assert!(asked >= 1, "the startup claim asked for slots");
-    assert!(v["families"][0]["controller"]["claim_latency"]["count"].as_u64() >= Some(1));
+    // The start-up claim is asked when it is issued and timed when it answers: ready can come
+    // between the two, so wait for its answer.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, body) = get(w.port, "/snapshot").unwrap();
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        if v["families"][0]["controller"]["claim_latency"]["count"].as_u64() >= Some(1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no claim answered: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     signal(&w, "-TERM");
-    assert!(
-        wait_exit(&mut w, Duration::from_secs(20)).success(),
-        "{}",
-        w.log.lock().unwrap()
-    );
+    let status = wait_exit(&mut w, Duration::from_secs(20));
+    assert!(status.success(), "{status:?}: {}", w.log.lock().unwrap());
     t.drop_database().await;
 }
 
@@ -1371,6 +1380,7 @@ async fn the_demo_shows_bulk_schedules_derived_values_and_a_paused_resumed_and_u
             "record.applied",
             "the latest operator decisions:",
             "pause.resolved",
+            "Usage: telemetry (best-effort): no exporter configured;",
         ] {
             assert!(stdout.contains(want), "round {round}: {want:?} in {stdout}");
         }
@@ -1831,5 +1841,171 @@ async fn formula_commands_define_show_and_drop_while_a_running_worker_derives_th
         assert!(!ok && err.contains("has no entry in the view"), "{err}");
         stop_clean(&mut w);
         t.drop_database().await;
+    }
+}
+
+/// A local OTLP/HTTP logs receiver: the usage records it accepted, as (tenant, kind, count).
+async fn otlp_logs_receiver() -> (u16, Arc<Mutex<Vec<(String, String, i64)>>>) {
+    let records: Arc<Mutex<Vec<(String, String, i64)>>> = Arc::default();
+    let sink = records.clone();
+    let app = axum::Router::new().route(
+        "/v1/logs",
+        axum::routing::post(move |body: String| {
+            let sink = sink.clone();
+            async move {
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                let mut got = sink.lock().unwrap();
+                for rl in v["resourceLogs"].as_array().into_iter().flatten() {
+                    for sl in rl["scopeLogs"].as_array().into_iter().flatten() {
+                        for rec in sl["logRecords"].as_array().into_iter().flatten() {
+                            let attr = |k: &str| {
+                                rec["attributes"]
+                                    .as_array()
+                                    .into_iter()
+                                    .flatten()
+                                    .find(|a| a["key"] == k)
+                                    .and_then(|a| a["value"].as_object())
+                                    .and_then(|o| o.values().next().cloned())
+                                    .unwrap_or_default()
+                            };
+                            let count = match attr("count") {
+                                serde_json::Value::String(s) => s.parse().unwrap_or(-1),
+                                v => v.as_i64().unwrap_or(-1),
+                            };
+                            got.push((
+                                attr("tenant").as_str().unwrap_or("").to_owned(),
+                                attr("kind").as_str().unwrap_or("").to_owned(),
+                                count,
+                            ));
+                        }
+                    }
+                }
+                "{}"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (port, records)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_events_reach_a_local_otlp_receiver_and_drops_are_counted_by_reason() {
+    let t = TestDb::create(Dialect::Sqlite, "usage").await.unwrap();
+    submit(&t.url, "usage", 120, 50);
+    let (port, records) = otlp_logs_receiver().await;
+    let endpoint = format!("http://127.0.0.1:{port}/v1/logs");
+    let mut w = start_with_env(
+        &t.url,
+        "0.5",
+        &[],
+        &[
+            ("NEXUSCRM_TELEMETRY_ENDPOINT", endpoint.as_str()),
+            ("NEXUSCRM_TELEMETRY_TENANT", "acme"),
+            ("NEXUSCRM_TELEMETRY_INTERVAL_MS", "20"),
+        ],
+    );
+    let db = Db::connect(&t.url).await.unwrap();
+    wait_all_succeeded(&db, 1, Duration::from_secs(60)).await;
+    // Three segments (50, 50, 20 rows): three events, exported within a few intervals.
+    let exported = |text: &str| -> Option<u64> {
+        text.lines()
+            .find(|l| l.starts_with("telemetry_exported_total{"))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let metrics = loop {
+        let (_, m) = get(w.port, "/metrics").unwrap();
+        if exported(&m) == Some(3) {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "not exported: {m}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for reason in [
+        "overflow",
+        "exporter_error",
+        "shutdown",
+        "crash",
+        "no_exporter",
+    ] {
+        assert!(
+            metrics.contains(&format!(
+                "telemetry_dropped_total{{family=\"telemetry\",reason=\"{reason}\"}} 0"
+            )),
+            "{reason} in {metrics}"
+        );
+    }
+    let (_, snapshot) = get(w.port, "/snapshot").unwrap();
+    let v: serde_json::Value = serde_json::from_str(&snapshot).unwrap();
+    let tel = &v["telemetry"];
+    assert_eq!(tel["best_effort"], true, "{tel}");
+    assert_eq!(
+        tel["declaration"], "telemetry=best-effort/loss-tolerant",
+        "{tel}"
+    );
+    assert_eq!(
+        (tel["emitted"].as_u64(), tel["exported"].as_u64()),
+        (Some(3), Some(3)),
+        "{tel}"
+    );
+    assert!(
+        tel["summary"]
+            .as_str()
+            .unwrap()
+            .contains("best-effort, may be incomplete"),
+        "{tel}"
+    );
+    let (_, families) = get(w.port, "/families").unwrap();
+    let f: serde_json::Value = serde_json::from_str(&families).unwrap();
+    let paths = f["paths"].as_array().cloned().unwrap_or_default();
+    let telemetry = paths
+        .iter()
+        .find(|p| p["family"] == "telemetry")
+        .unwrap_or_else(|| panic!("telemetry in {families}"));
+    assert_eq!(telemetry["running"], true, "{families}");
+    stop_clean(&mut w);
+    let mut got = records.lock().unwrap().clone();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("acme".to_owned(), "bulk.rows_applied".to_owned(), 20),
+            ("acme".to_owned(), "bulk.rows_applied".to_owned(), 50),
+            ("acme".to_owned(), "bulk.rows_applied".to_owned(), 50),
+        ]
+    );
+    db.close().await;
+    t.drop_database().await;
+}
+
+#[test]
+fn a_bad_telemetry_setting_is_refused_before_anything_starts() {
+    for (key, value, named) in [
+        (
+            "NEXUSCRM_TELEMETRY_ENDPOINT",
+            "collector:4318/v1/logs",
+            "telemetry.endpoint",
+        ),
+        ("NEXUSCRM_TELEMETRY_BUFFER", "0", "telemetry.buffer"),
+        (
+            "NEXUSCRM_TELEMETRY_TIMEOUT_SECS",
+            "0",
+            "telemetry.timeout_secs",
+        ),
+    ] {
+        let out = Command::new(BIN)
+            .env("NEXUSCRM_AUDIT_FILE", audit_file("sqlite::memory:"))
+            .args(["--database-url", "sqlite::memory:", "run"])
+            .env(key, value)
+            .env_remove("NEXUSCRM_DATABASE_URL")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{key}={value}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(named), "{key}={value}: {err}");
     }
 }
