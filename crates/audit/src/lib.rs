@@ -14,9 +14,40 @@
 
 #![forbid(unsafe_code)]
 
+mod http;
 mod sink;
 
+pub use http::HttpSink;
 pub use sink::{JsonlSink, Line, read_lines};
+
+/// Where delivered events go.
+#[derive(Debug, Clone)]
+pub enum Sink {
+    /// An append-only JSON Lines file (fsync per batch, tail recovery).
+    File(JsonlSink),
+    /// A receiver over HTTP (batch POST with an idempotency key; it deduplicates).
+    Http(HttpSink),
+}
+
+impl Sink {
+    /// The file sink, when it is one.
+    #[must_use]
+    pub fn file(&self) -> Option<&JsonlSink> {
+        match self {
+            Sink::File(f) => Some(f),
+            Sink::Http(_) => None,
+        }
+    }
+}
+
+impl fmt::Display for Sink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Sink::File(s) => write!(f, "file {}", s.path().display()),
+            Sink::Http(h) => write!(f, "http {}", h.url()),
+        }
+    }
+}
 
 use std::fmt;
 use std::num::NonZeroUsize;
@@ -181,7 +212,7 @@ pub async fn record(
 #[derive(Debug, Clone)]
 pub struct AuditOptions {
     generation: i64,
-    sink: JsonlSink,
+    sink: Sink,
     batch: usize,
     lease: Duration,
     clock: Arc<dyn Clock>,
@@ -189,9 +220,20 @@ pub struct AuditOptions {
 }
 
 impl AuditOptions {
-    /// Options delivering to `sink`: generation 1, batches of 100, a 30 s delivery lease.
+    /// Options delivering to the file `sink`: generation 1, batches of 100, a 30 s delivery
+    /// lease.
     #[must_use]
     pub fn new(sink: JsonlSink) -> Self {
+        Self::to(Sink::File(sink))
+    }
+
+    /// Options delivering to the HTTP receiver `sink` (otherwise as [`AuditOptions::new`]).
+    #[must_use]
+    pub fn http(sink: HttpSink) -> Self {
+        Self::to(Sink::Http(sink))
+    }
+
+    fn to(sink: Sink) -> Self {
         AuditOptions {
             generation: 1,
             sink,
@@ -247,7 +289,7 @@ pub struct Audit {
 #[derive(Debug)]
 struct Inner {
     db: Db,
-    sink: JsonlSink,
+    sink: Sink,
     batch: usize,
     lease: Duration,
     clock: Arc<dyn Clock>,
@@ -292,7 +334,9 @@ impl Audit {
     ///
     /// A migration error, or a sink path that cannot be written.
     pub async fn open(db: Db, options: AuditOptions) -> Result<Audit, AuditError> {
-        options.sink.check().map_err(AuditError)?;
+        if let Sink::File(file) = &options.sink {
+            file.check().map_err(AuditError)?;
+        }
         migrate(&db)
             .await
             .map_err(|e| AuditError(format!("audit migrations: {e}")))?;
@@ -335,7 +379,7 @@ impl Audit {
 
     /// The sink.
     #[must_use]
-    pub fn sink(&self) -> &JsonlSink {
+    pub fn sink(&self) -> &Sink {
         &self.inner.sink
     }
 
@@ -487,7 +531,11 @@ impl Source for AuditSource {
             () = cancel.cancelled() => Err(SourceError::not_committed("cancelled")),
             r = sqlx::query(queries(inner.db.dialect()).get("undelivered")).fetch_one(inner.db.pool()) => {
                 r.map_err(|e| SourceError::new(format!("the audit outbox is not readable: {e}")))?;
-                sink.check().map_err(SourceError::new)
+                match &sink {
+                    Sink::File(file) => file.check().map_err(SourceError::new),
+                    // A receiver that is down is retried by the attempts, not refused here.
+                    Sink::Http(_) => Ok(()),
+                }
             }
         }
     }
@@ -674,6 +722,10 @@ impl AuditAttempt {
             // Shutting down before anything was written: the batch stays undelivered.
             return Ok(());
         }
+        let sink = match &inner.sink {
+            Sink::File(file) => file.clone(),
+            Sink::Http(http) => return self.post(http, cancel).await,
+        };
         // From here on the batch runs to its mark even if shutdown begins: a short write and
         // one transaction, inside the controller's drain bound (past it the controller stops
         // waiting and reports the attempt abandoned; the next holder reads the tail).
@@ -682,7 +734,6 @@ impl AuditAttempt {
         faults
             .hit(CrashPoint::BeforeEffect)
             .map_err(AttemptError::new)?;
-        let sink = inner.sink.clone();
         let mut skip = std::collections::HashSet::new();
         if !inner.recovered.load(Ordering::Acquire) {
             // A crashed holder's last batch may be at the file's end, written and unmarked.
@@ -712,6 +763,12 @@ impl AuditAttempt {
                     sink.path().display()
                 ))
             })?;
+        self.written(cancel).await
+    }
+
+    /// The batch is in the sink: the mark, with the crash points around it.
+    async fn written(&self, cancel: &CancellationToken) -> Result<(), AttemptError> {
+        let faults = &self.audit.inner.faults;
         faults
             .hit(CrashPoint::AfterEffect)
             .map_err(AttemptError::new)?;
@@ -728,6 +785,55 @@ impl AuditAttempt {
             .hit(CrashPoint::AfterDisposition)
             .map_err(AttemptError::new)?;
         Ok(())
+    }
+}
+
+impl AuditAttempt {
+    /// The batch to an HTTP receiver: one `POST` under the batch's key, sent again with the
+    /// same key (backing off) while the outcome is ambiguous, then the mark. A permanent
+    /// rejection fails the attempt with the receiver's reason: the controller stops, and the
+    /// batch stays undelivered (nothing is lost; a fixed receiver gets it on restart).
+    async fn post(&self, http: &HttpSink, cancel: &CancellationToken) -> Result<(), AttemptError> {
+        let inner = &self.audit.inner;
+        let faults = &inner.faults;
+        faults
+            .hit(CrashPoint::BeforeEffect)
+            .map_err(AttemptError::new)?;
+        let lines: Vec<Line> = self.events.iter().map(|e| e.line.clone()).collect();
+        let key = HttpSink::key(&lines);
+        let body = HttpSink::body(&key, &lines);
+        let mut wait = Duration::from_millis(100);
+        loop {
+            match http.post(&key, body.clone()).await {
+                http::Posted::Delivered => break,
+                http::Posted::Rejected(reason) => {
+                    return Err(AttemptError::new(format!(
+                        "the audit receiver {} rejected batch {key} ({} events, {} to {}) \
+                         permanently: {reason}; the batch stays undelivered",
+                        http.url(),
+                        lines.len(),
+                        lines.first().map_or("", |l| l.event_id.as_str()),
+                        lines.last().map_or("", |l| l.event_id.as_str()),
+                    )));
+                }
+                http::Posted::Ambiguous(why) => {
+                    tracing::warn!(
+                        "audit batch {key} to {}: {why}; sending it again with the same key in {wait:?}",
+                        http.url()
+                    );
+                    tokio::select! {
+                        biased;
+                        // Shutting down: the batch stays undelivered, and its next holder
+                        // sends it under the same key (the receiver deduplicates).
+                        () = cancel.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(wait) => {}
+                    }
+                    wait = (wait * 2).min(http.max_backoff_bound());
+                }
+            }
+        }
+        // Delivered: the mark runs to its end even if shutdown begins now.
+        self.written(&CancellationToken::new()).await
     }
 }
 

@@ -5,9 +5,12 @@
 use std::collections::{BTreeMap, HashSet};
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nexuscrm_audit::{Audit, AuditEvent, AuditOptions, JsonlSink, Line, read_lines, record};
+use nexuscrm_audit::{
+    Audit, AuditEvent, AuditOptions, HttpSink, JsonlSink, Line, read_lines, record,
+};
 use nexuscrm_persistence::sqlx;
 use nexuscrm_persistence::testing::TestDb;
 use nexuscrm_persistence::{Db, Dialect};
@@ -17,6 +20,15 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 const DIALECTS: [Dialect; 3] = [Dialect::Sqlite, Dialect::Postgres, Dialect::Mysql];
+
+/// Every point a delivery can crash at.
+const CRASH_POINTS: [CrashPoint; 5] = [
+    CrashPoint::AfterClaim,
+    CrashPoint::BeforeEffect,
+    CrashPoint::AfterEffect,
+    CrashPoint::BeforeDisposition,
+    CrashPoint::AfterDisposition,
+];
 
 fn sink_path(label: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
@@ -125,7 +137,12 @@ fn options(sink: &JsonlSink, generation: i64, faults: Faults) -> AuditOptions {
 
 /// Runs one delivery "process" until the outbox is empty (`Ok`) or its crash fires (`Err`).
 async fn run(db: &Db, sink: &JsonlSink, generation: i64, faults: Faults) -> Result<(), String> {
-    let audit = Audit::without_migrations(db.clone(), options(sink, generation, faults.clone()));
+    run_with(db, options(sink, generation, faults.clone()), faults).await
+}
+
+/// [`run`] with any options (`faults` must be the ones in `options`).
+async fn run_with(db: &Db, options: AuditOptions, faults: Faults) -> Result<(), String> {
+    let audit = Audit::without_migrations(db.clone(), options);
     audit
         .take_ownership("test")
         .await
@@ -228,15 +245,8 @@ async fn events_commit_with_their_change_and_are_delivered_once_in_subject_order
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_at_every_point_delivers_every_event_exactly_once_after_recovery() {
-    let points = [
-        CrashPoint::AfterClaim,
-        CrashPoint::BeforeEffect,
-        CrashPoint::AfterEffect,
-        CrashPoint::BeforeDisposition,
-        CrashPoint::AfterDisposition,
-    ];
     for d in DIALECTS {
-        for point in points {
+        for point in CRASH_POINTS {
             let Some((t, sink)) = setup(d, "crash").await else {
                 continue;
             };
@@ -414,7 +424,19 @@ async fn a_live_replica_taking_delivery_back_from_a_crashed_one_reads_the_tail_a
             probe.observations().await.unwrap().undelivered == 0
         })
         .await;
-        // Replica B takes the lease when A's runs out, writes a batch and crashes unmarked.
+        // A is idle once its lease (renewed by each of its claims) has lapsed: its last claim
+        // and the `next_work_at` after it are over, and nothing wakes it (events written
+        // during that turn would have been A's to deliver, not B's).
+        wait_for(&format!("{d:?}: A's lease lapses"), async || {
+            let until: i64 =
+                sqlx::query_scalar("SELECT lease_until FROM audit_delivery WHERE id = 1")
+                    .fetch_one(t.db.pool())
+                    .await
+                    .unwrap();
+            until < nexuscrm_persistence::support::to_ms(std::time::SystemTime::now())
+        })
+        .await;
+        // Replica B takes the lease, writes a batch and crashes unmarked.
         produce(&t.db, 20, 20).await;
         let faults = Faults::new();
         faults.arm(CrashPoint::AfterEffect);
@@ -620,6 +642,291 @@ async fn an_ownership_takeover_writes_one_event_in_its_transaction_and_a_refused
         let e = take(2, "host-b").await;
         assert!(e.is_ok(), "{d}: generation 2 still owns bulk: {e:?}");
         assert_eq!(nexuscrm_audit::outbox(&t.db).await.unwrap().len(), 2, "{d}");
+        t.drop_database().await;
+    }
+}
+
+/// How the local audit receiver answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RxMode {
+    /// Keeps the batch (deduplicating by event id) and answers 200.
+    Accept,
+    /// Keeps the batch but answers 503 for the next `n` requests (the answer is lost: the
+    /// sender cannot know it was kept).
+    KeepButFail(usize),
+    /// 503 without keeping anything (down).
+    Down,
+    /// 422 with a reason: a permanent rejection.
+    Reject,
+}
+
+#[derive(Debug)]
+struct RxState {
+    mode: RxMode,
+    /// Every request's `Idempotency-Key`, in arrival order.
+    keys: Vec<String>,
+    /// The events kept, each once, in arrival order.
+    events: Vec<Line>,
+    /// Events received again and dropped by the deduplication.
+    duplicates: usize,
+    /// The keys each event arrived under.
+    keys_of: BTreeMap<String, HashSet<String>>,
+}
+
+/// A local HTTP receiver for the audit sink: it deduplicates by event id, as the sink's
+/// contract asks of a receiver.
+#[derive(Clone)]
+struct Receiver {
+    state: Arc<Mutex<RxState>>,
+    url: String,
+}
+
+impl Receiver {
+    async fn start(mode: RxMode) -> Receiver {
+        let state = Arc::new(Mutex::new(RxState {
+            mode,
+            keys: Vec::new(),
+            events: Vec::new(),
+            duplicates: 0,
+            keys_of: BTreeMap::new(),
+        }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/audit", listener.local_addr().unwrap());
+        let app = axum::Router::new()
+            .route("/audit", axum::routing::post(receive))
+            .with_state(state.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Receiver { state, url }
+    }
+
+    fn set(&self, mode: RxMode) {
+        self.state.lock().unwrap().mode = mode;
+    }
+
+    fn sink(&self) -> HttpSink {
+        HttpSink::new(&self.url)
+            .unwrap()
+            .timeout(Duration::from_secs(5))
+            .max_backoff(Duration::from_millis(50))
+    }
+
+    fn options(&self, generation: i64, faults: Faults) -> AuditOptions {
+        AuditOptions::http(self.sink())
+            .generation(generation)
+            .batch(7)
+            .lease(Duration::from_secs(30))
+            .faults(faults)
+    }
+}
+
+async fn receive(
+    axum::extract::State(state): axum::extract::State<Arc<Mutex<RxState>>>,
+    headers: axum::http::HeaderMap,
+    body: String,
+) -> (axum::http::StatusCode, String) {
+    use axum::http::StatusCode;
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let doc: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    let mut s = state.lock().unwrap();
+    s.keys.push(key.clone());
+    if doc["idempotency_key"] != key.as_str() {
+        return (StatusCode::BAD_REQUEST, "the body's key differs".into());
+    }
+    let keep = |s: &mut RxState| {
+        let lines: Vec<Line> = serde_json::from_value(doc["events"].clone()).unwrap();
+        for l in lines {
+            s.keys_of
+                .entry(l.event_id.clone())
+                .or_default()
+                .insert(key.clone());
+            if s.events.iter().any(|e| e.event_id == l.event_id) {
+                s.duplicates += 1;
+            } else {
+                s.events.push(l);
+            }
+        }
+    };
+    match s.mode {
+        RxMode::Accept => {
+            keep(&mut s);
+            (StatusCode::OK, "{}".into())
+        }
+        RxMode::KeepButFail(n) => {
+            keep(&mut s);
+            s.mode = if n <= 1 {
+                RxMode::Accept
+            } else {
+                RxMode::KeepButFail(n - 1)
+            };
+            (StatusCode::SERVICE_UNAVAILABLE, "lost answer".into())
+        }
+        RxMode::Down => (StatusCode::SERVICE_UNAVAILABLE, "down".into()),
+        RxMode::Reject => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "schema mismatch: no field `tenant`".into(),
+        ),
+    }
+}
+
+/// The receiver holds every committed event exactly once (its deduplication is by event id,
+/// so this checks the sender never lost one and never sent an event under two keys), in
+/// per-subject order, and the outbox has marked them all.
+async fn assert_received_once(db: &Db, rx: &Receiver, n: usize, what: &str) {
+    {
+        let s = rx.state.lock().unwrap();
+        let got: HashSet<String> = s.events.iter().map(|l| l.event_id.clone()).collect();
+        let want: HashSet<String> = (0..n).map(|i| format!("ev-{i}")).collect();
+        assert_eq!(got, want, "{what}: every committed event, and only those");
+        let mut per_subject: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+        for l in &s.events {
+            per_subject
+                .entry(&l.subject)
+                .or_default()
+                .push(l.body["n"].as_i64().unwrap());
+        }
+        for (subject, ns) in per_subject {
+            assert!(
+                ns.windows(2).all(|w| w[0] < w[1]),
+                "{what}: {subject} out of order: {ns:?}"
+            );
+        }
+        // An event always travels under one key: a batch is resent whole, never re-cut.
+        for (id, keys) in &s.keys_of {
+            assert_eq!(keys.len(), 1, "{what}: {id} under {keys:?}");
+        }
+    }
+    let audit = Audit::without_migrations(db.clone(), rx.options(1, Faults::none()));
+    assert_eq!(audit.observations().await.unwrap().undelivered, 0, "{what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_sink_resends_an_ambiguous_batch_under_its_key_and_delivers_each_event_once() {
+    for d in DIALECTS {
+        let Some((t, _)) = setup(d, "http").await else {
+            continue;
+        };
+        produce(&t.db, 0, 40).await;
+        // The receiver keeps the first three requests but its answers are lost (503).
+        let rx = Receiver::start(RxMode::KeepButFail(3)).await;
+        run_with(&t.db, rx.options(1, Faults::none()), Faults::none())
+            .await
+            .unwrap();
+        assert_received_once(&t.db, &rx, 40, &format!("{d:?} http")).await;
+        {
+            let s = rx.state.lock().unwrap();
+            // Each lost answer was followed by the same batch under the same key.
+            assert_eq!(s.keys[0], s.keys[1], "{d:?}: {:?}", s.keys);
+            assert_eq!(s.keys[1], s.keys[2], "{d:?}: {:?}", s.keys);
+            assert_eq!(s.keys[2], s.keys[3], "{d:?}: {:?}", s.keys);
+            assert_eq!(
+                s.duplicates,
+                3 * 7,
+                "{d:?}: three resends of a batch of 7, deduplicated"
+            );
+            // 40 events in batches of 7: 6 batches, 3 of them sent again.
+            assert_eq!(s.keys.len(), 6 + 3, "{d:?}: {:?}", s.keys);
+        }
+        t.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_sink_delivers_every_event_once_after_a_crash_at_every_point() {
+    for d in DIALECTS {
+        for point in CRASH_POINTS {
+            let Some((t, _)) = setup(d, "httpcrash").await else {
+                continue;
+            };
+            let rx = Receiver::start(RxMode::Accept).await;
+            produce(&t.db, 0, 10).await;
+            run_with(&t.db, rx.options(1, Faults::none()), Faults::none())
+                .await
+                .unwrap();
+            produce(&t.db, 10, 20).await;
+            let faults = Faults::new();
+            faults.arm(point);
+            let r = run_with(&t.db, rx.options(2, faults.clone()), faults.clone()).await;
+            assert!(r.is_err(), "{d:?}: the crash at {point:?} fired");
+            assert_eq!(faults.fired(), Some(point));
+            run_with(&t.db, rx.options(3, Faults::none()), Faults::none())
+                .await
+                .unwrap();
+            let what = format!("{d:?} http crash {point:?}");
+            assert_received_once(&t.db, &rx, 30, &what).await;
+            {
+                let s = rx.state.lock().unwrap();
+                if matches!(
+                    point,
+                    CrashPoint::AfterEffect | CrashPoint::BeforeDisposition
+                ) {
+                    // Sent, not marked: the next holder sent that batch again, under its key.
+                    assert_eq!(s.duplicates, 7, "{what}: {:?}", s.keys);
+                } else {
+                    assert_eq!(s.duplicates, 0, "{what}: {:?}", s.keys);
+                }
+            }
+            t.drop_database().await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_is_down_gets_everything_when_it_returns_and_a_rejection_stops_delivery() {
+    for d in DIALECTS {
+        let Some((t, _)) = setup(d, "httpdown").await else {
+            continue;
+        };
+        produce(&t.db, 0, 20).await;
+        let rx = Receiver::start(RxMode::Down).await;
+        let audit = Audit::without_migrations(t.db.clone(), rx.options(1, Faults::none()));
+        audit.take_ownership("test").await.unwrap();
+        let ctl = Controller::new(audit.source(), Config::new("audit")).unwrap();
+        audit.set_waker(ctl.waker());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(ctl.run(cancel.clone()));
+        wait_for("the down receiver to be tried three times", async || {
+            rx.state.lock().unwrap().keys.len() >= 3
+        })
+        .await;
+        assert!(
+            !task.is_finished(),
+            "{d:?}: a receiver that is down is retried"
+        );
+        assert_eq!(audit.observations().await.unwrap().undelivered, 20, "{d:?}");
+        rx.set(RxMode::Accept);
+        wait_for("delivery after the receiver returned", async || {
+            audit.observations().await.unwrap().undelivered == 0
+        })
+        .await;
+        cancel.cancel();
+        task.await.unwrap().unwrap();
+        assert_received_once(&t.db, &rx, 20, &format!("{d:?} down")).await;
+
+        // A permanent rejection stops the controller with the receiver's reason; the batch
+        // stays undelivered, nothing is lost.
+        produce(&t.db, 20, 5).await;
+        rx.set(RxMode::Reject);
+        let again = Audit::without_migrations(t.db.clone(), rx.options(2, Faults::none()));
+        again.take_ownership("test").await.unwrap();
+        let ctl = Controller::new(again.source(), Config::new("audit")).unwrap();
+        again.set_waker(ctl.waker());
+        let e = tokio::time::timeout(Duration::from_secs(60), ctl.run(CancellationToken::new()))
+            .await
+            .expect("the controller stopped on the rejection")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rejected batch audit-"), "{d:?}: {e}");
+        assert!(e.contains("422 schema mismatch"), "{d:?}: {e}");
+        assert_eq!(again.observations().await.unwrap().undelivered, 5, "{d:?}");
+        rx.set(RxMode::Accept);
+        run_with(&t.db, rx.options(3, Faults::none()), Faults::none())
+            .await
+            .unwrap();
+        assert_received_once(&t.db, &rx, 25, &format!("{d:?} after the rejection")).await;
         t.drop_database().await;
     }
 }

@@ -96,7 +96,7 @@ async fn applied_rows_are_audited_and_delivered_once_in_order(d: Dialect) {
     cancel.cancel();
     run.await.unwrap().expect("clean drain");
 
-    let lines = read_lines(audit.sink()).unwrap();
+    let lines = read_lines(audit.sink().file().unwrap()).unwrap();
     assert_eq!(lines.len(), 120, "{d}: every event in the file");
     let distinct: HashSet<_> = lines.iter().map(|l| l.event_id.as_str()).collect();
     assert_eq!(distinct.len(), 120, "{d}: no line repeats");

@@ -193,7 +193,8 @@ impl Store {
                 let json = json!({
                     "pending": o.undelivered, "undelivered": o.undelivered,
                     "delivery_lag_ms": lag.map(|d| d.as_millis() as u64),
-                    "file": audit.sink().path().display().to_string(),
+                    "sink": audit.sink().to_string(),
+                    "file": audit.sink().file().map(|f| f.path().display().to_string()),
                 });
                 let g: Gauges = vec![
                     (

@@ -85,7 +85,17 @@ pub(crate) async fn audit_command(
         } => {
             let sink = match file {
                 Some(f) => JsonlSink::new(f).keep(settings.audit.keep),
-                None => settings.audit.sink(),
+                None => {
+                    if let Some(http) = &settings.audit.http {
+                        return Err(format!(
+                            "the audit trail goes to the HTTP receiver {} (`audit.sink = \"http\"`): \
+                             read it there, or pass --file for a JSON Lines file",
+                            http.url()
+                        )
+                        .into());
+                    }
+                    settings.audit.sink()
+                }
             };
             if !sink.path().exists() {
                 return Err(format!(

@@ -76,6 +76,12 @@ pub(crate) struct RawAudit {
     pub(crate) batch: Option<usize>,
     pub(crate) lease_secs: Option<f64>,
     pub(crate) reconcile_interval_secs: Option<u64>,
+    /// `file` (the default) or `http`.
+    pub(crate) sink: Option<String>,
+    /// The HTTP receiver's URL (`sink = "http"`).
+    pub(crate) http_url: Option<String>,
+    /// Each POST's bound.
+    pub(crate) http_timeout_secs: Option<f64>,
 }
 
 /// The default audit file, beside the default database.
@@ -91,6 +97,8 @@ pub(crate) struct AuditSettings {
     pub(crate) batch: usize,
     pub(crate) lease: Duration,
     pub(crate) reconcile_interval: Duration,
+    /// The HTTP receiver, when `sink = "http"` (otherwise the file).
+    pub(crate) http: Option<nexuscrm_audit::HttpSink>,
 }
 
 impl AuditSettings {
@@ -399,7 +407,10 @@ impl RawConfig {
                 keep,
                 batch,
                 lease_secs,
-                reconcile_interval_secs
+                reconcile_interval_secs,
+                sink,
+                http_url,
+                http_timeout_secs
             );
             self.audit = Some(a);
         }
@@ -491,6 +502,9 @@ impl RawConfig {
             batch: parse("NEXUSCRM_AUDIT_BATCH")?,
             lease_secs: parse("NEXUSCRM_AUDIT_LEASE_SECS")?,
             reconcile_interval_secs: parse("NEXUSCRM_AUDIT_RECONCILE_INTERVAL_SECS")?,
+            sink: var("NEXUSCRM_AUDIT_SINK"),
+            http_url: var("NEXUSCRM_AUDIT_HTTP_URL"),
+            http_timeout_secs: parse("NEXUSCRM_AUDIT_HTTP_TIMEOUT_SECS")?,
         };
         let telemetry = RawTelemetry {
             enabled: parse("NEXUSCRM_TELEMETRY_ENABLED")?,
@@ -721,7 +735,37 @@ fn validate_audit(a: RawAudit) -> Result<AuditSettings, String> {
     if file.trim().is_empty() {
         return Err(bad("audit.file", "must name a file"));
     }
+    let timeout = Duration::from_secs_f64(within(
+        "audit.http_timeout_secs",
+        a.http_timeout_secs.unwrap_or(10.0),
+        0.1,
+        300.0,
+    )?);
+    let http = match a.sink.as_deref().unwrap_or("file") {
+        "file" => None,
+        "http" => {
+            let url = a.http_url.as_deref().unwrap_or("");
+            if url.trim().is_empty() {
+                return Err(bad(
+                    "audit.http_url",
+                    "is required when `audit.sink` is \"http\"",
+                ));
+            }
+            Some(
+                nexuscrm_audit::HttpSink::new(url)
+                    .map_err(|e| bad("audit.http_url", e))?
+                    .timeout(timeout),
+            )
+        }
+        other => {
+            return Err(bad(
+                "audit.sink",
+                format!("must be \"file\" or \"http\", not {other:?}"),
+            ));
+        }
+    };
     Ok(AuditSettings {
+        http,
         enabled: a.enabled.unwrap_or(true),
         file: file.into(),
         max_bytes: within(
@@ -1111,12 +1155,28 @@ mod tests {
                 "reconcile_interval_secs = 0",
                 "`audit.reconcile_interval_secs`",
             ),
+            ("sink = \"kafka\"", "`audit.sink`"),
+            ("sink = \"http\"", "`audit.http_url`: is required"),
+            (
+                "sink = \"http\"\nhttp_url = \"https://audit.example/in\"",
+                "https is not built in",
+            ),
+            (
+                "sink = \"http\"\nhttp_url = \"http://127.0.0.1:9/in\"\nhttp_timeout_secs = 0",
+                "`audit.http_timeout_secs`",
+            ),
         ] {
             let raw: RawConfig = toml::from_str(&format!("[audit]\n{toml}")).unwrap();
             let e = raw.validate().unwrap_err();
             assert!(e.contains(key), "{toml}: {e}");
         }
         assert!(toml::from_str::<RawConfig>("[audit]\npath = \"x\"").is_err());
+        assert!(s.audit.http.is_none(), "the file sink by default");
+        let http: RawConfig =
+            toml::from_str("[audit]\nsink = \"http\"\nhttp_url = \"http://127.0.0.1:8080/audit\"")
+                .unwrap();
+        let h = http.validate().unwrap().audit.http.expect("the HTTP sink");
+        assert_eq!(h.url(), "http://127.0.0.1:8080/audit");
         let file: RawConfig =
             toml::from_str("[audit]\nfile = \"/var/log/crm.jsonl\"\nkeep = 9").unwrap();
         let flags = RawConfig {

@@ -1362,7 +1362,12 @@ impl DemoAudit {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let sink = self.audit.sink().clone();
+        let sink = self
+            .audit
+            .sink()
+            .file()
+            .cloned()
+            .ok_or("the demo's audit trail goes to a file")?;
         println!(
             "\nAudit trail ({}): every event delivered to {} ({:.2?} after the outbox \
              started); its last lines (`audit tail`):",

@@ -190,6 +190,22 @@ const AUDIT_PROOFS: &[Proof] = &[
     Proof {
         file: "crates/audit/tests/audit.rs",
         tests: &[
+            "the_http_sink_resends_an_ambiguous_batch_under_its_key_and_delivers_each_event_once",
+            "the_http_sink_delivers_every_event_once_after_a_crash_at_every_point",
+            "a_receiver_that_is_down_gets_everything_when_it_returns_and_a_rejection_stops_delivery",
+        ],
+        what: "the HTTP sink against a local deduplicating receiver: lost answers resent under the batch's key, a crash at every point, a receiver down then back, a permanent rejection stopping delivery with its reason; each event received once, in subject order",
+        backends: ALL_BACKENDS,
+    },
+    Proof {
+        file: "crates/runtime-worker/tests/process.rs",
+        tests: &["the_audit_trail_goes_to_an_http_receiver_when_configured"],
+        what: "the Runtime Worker with `audit.sink = \"http\"` delivers Bulk's trail to a local receiver",
+        backends: "SQLite",
+    },
+    Proof {
+        file: "crates/audit/tests/audit.rs",
+        tests: &[
             "an_ownership_takeover_writes_one_event_in_its_transaction_and_a_refused_one_none",
         ],
         what: "operator decisions: an ownership takeover writes its event in its transaction, a refused or rolled-back one none",

@@ -258,10 +258,12 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
         families.push(admin::Family {
             declaration: nexuscrm_flow::DECLARATION,
             handle: ctl.handle(),
+            // The console's schedule decisions go through this handle: they write their
+            // audit events like every other decision.
             store: admin::Store::Flow(Flow::without_migrations(
                 observe_db.clone(),
                 s.generation,
-                FlowOptions::default(),
+                FlowOptions::default().config(FlowConfig::default().audit(s.audit.enabled)),
             )),
             observed: admin::ObservationCache::default(),
         });
@@ -287,7 +289,9 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
             handle: ctl.handle(),
             store: admin::Store::Paused(nexuscrm_paused::PausedFlow::without_migrations(
                 observe_db.clone(),
-                nexuscrm_paused::PausedOptions::default().generation(s.generation),
+                nexuscrm_paused::PausedOptions::default()
+                    .generation(s.generation)
+                    .audit(s.audit.enabled),
             )),
             observed: admin::ObservationCache::default(),
         });
@@ -514,10 +518,13 @@ pub(crate) fn start_telemetry(s: &Settings) -> Result<nexuscrm_telemetry::Teleme
 
 /// The audit family's options from `[audit]`.
 pub(crate) fn audit_options(s: &Settings) -> nexuscrm_audit::AuditOptions {
-    nexuscrm_audit::AuditOptions::new(s.audit.sink())
-        .generation(s.generation)
-        .batch(s.audit.batch)
-        .lease(s.audit.lease)
+    match &s.audit.http {
+        Some(http) => nexuscrm_audit::AuditOptions::http(http.clone()),
+        None => nexuscrm_audit::AuditOptions::new(s.audit.sink()),
+    }
+    .generation(s.generation)
+    .batch(s.audit.batch)
+    .lease(s.audit.lease)
 }
 
 /// `status`: GET /snapshot from a running worker and print it as a table.

@@ -579,6 +579,31 @@ async fn the_console_in_headless_chromium_shows_the_store_and_acts_only_with_the
     )
     .await;
     assert!(by.contains("console"), "the decision names its maker: {by}");
+    // Each decision wrote one audit event in its transaction, by `console`; the refused
+    // attempts wrote none.
+    let decisions: Vec<(String, String, String)> = nexuscrm_audit::outbox(&t.db)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|l| l.kind == "pause.resolved" || l.kind == "schedule.paused")
+        .map(|l| (l.kind, l.subject, l.actor))
+        .collect();
+    assert_eq!(
+        decisions,
+        [
+            (
+                "schedule.paused".to_owned(),
+                format!("schedule:{nightly}"),
+                "console".to_owned()
+            ),
+            (
+                "pause.resolved".to_owned(),
+                format!("pause:{pause_id}"),
+                "console".to_owned()
+            ),
+        ],
+        "the console's decisions in the audit outbox"
+    );
 
     browser.close().await.unwrap();
     assert!(

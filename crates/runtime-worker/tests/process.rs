@@ -2009,3 +2009,84 @@ fn a_bad_telemetry_setting_is_refused_before_anything_starts() {
         assert!(err.contains(named), "{key}={value}: {err}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_trail_goes_to_an_http_receiver_when_configured() {
+    let t = TestDb::create(Dialect::Sqlite, "audithttp").await.unwrap();
+    submit(&t.url, "audited", 30, 10);
+    // A receiver that deduplicates by event id and answers its first request 503 (after
+    // keeping it): the worker sends that batch again under the same key.
+    let seen: Arc<Mutex<(Vec<String>, std::collections::BTreeSet<String>)>> = Arc::default();
+    let sink = seen.clone();
+    let app = axum::Router::new().route(
+        "/audit",
+        axum::routing::post(move |headers: axum::http::HeaderMap, body: String| {
+            let sink = sink.clone();
+            async move {
+                let key = headers
+                    .get("idempotency-key")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_owned();
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                let mut s = sink.lock().unwrap();
+                s.0.push(key);
+                for e in v["events"].as_array().into_iter().flatten() {
+                    s.1.insert(e["event_id"].as_str().unwrap_or("").to_owned());
+                }
+                if s.0.len() == 1 {
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE
+                } else {
+                    axum::http::StatusCode::OK
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/audit", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let mut w = start_with_env(
+        &t.url,
+        "0.5",
+        &[],
+        &[
+            ("NEXUSCRM_AUDIT_SINK", "http"),
+            ("NEXUSCRM_AUDIT_HTTP_URL", url.as_str()),
+        ],
+    );
+    let db = Db::connect(&t.url).await.unwrap();
+    wait_all_succeeded(&db, 1, Duration::from_secs(60)).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while scalar(
+        &db,
+        "SELECT COUNT(*) FROM audit_event WHERE delivered_at IS NULL",
+    )
+    .await
+        > 0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "audit not delivered: {}",
+            w.log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_clean(&mut w);
+    let events = scalar(&db, "SELECT COUNT(*) FROM audit_event").await;
+    let (keys, ids) = seen.lock().unwrap().clone();
+    assert_eq!(ids.len() as i64, events, "every event reached the receiver");
+    assert!(
+        ids.iter().filter(|i| i.starts_with("bulk-")).count() == 30,
+        "{ids:?}"
+    );
+    assert!(
+        keys.len() >= 2 && keys[0] == keys[1],
+        "resent under its key: {keys:?}"
+    );
+    // No file was written: the trail went over HTTP.
+    assert!(!std::path::Path::new(&audit_file(&t.url)).exists());
+    db.close().await;
+    t.drop_database().await;
+}
