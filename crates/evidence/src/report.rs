@@ -191,14 +191,14 @@ impl Report {
         }
         if let Some(d) = &self.due {
             t.push((
-                "due lateness p50 under 2 ms".into(),
+                "due lateness p50 at most 2 ms".into(),
                 format!("{} ms", f(d.controller.p50)),
-                d.controller.p50 < 2.0,
+                d.controller.p50 <= 2.0,
             ));
             t.push((
-                "due lateness p99 under 5 ms".into(),
+                "due lateness p99 at most 5 ms".into(),
                 format!("{} ms", f(d.controller.p99)),
-                d.controller.p99 < 5.0,
+                d.controller.p99 <= 5.0,
             ));
             t.push((
                 "Scheduled Flow reservation within 50 ms of the due time".into(),
@@ -446,11 +446,20 @@ impl Report {
                 out,
                 "## Due\n\n{} Scheduled Flow occurrences 137 ms apart, created by another \
                  handle while the worker is idle (the controller hears of them through \
-                 NOTIFY); lateness = `reserved_at - occurrence_at` of each `flow_run` (ms \
-                 resolution, includes the claim transaction).\n\n| side | n | min | p50 | p99 | max |\n|---|---:|---:|---:|---:|---:|",
+                 NOTIFY). Lateness = the reservation's clock reading minus the occurrence \
+                 (`Flow::on_runs_reserved`, at the clock's full resolution), so it includes \
+                 the timer, the claim transaction and the reservation transaction up to its \
+                 inserts. The `stored` rows are the same runs' whole-millisecond columns \
+                 (`reserved_at - occurrence_at` of each `flow_run`), as a check.\n\n\
+                 | side | n | min ms | p50 ms | p99 ms | max ms |\n|---|---:|---:|---:|---:|---:|",
                 p.due_items
             );
-            for (side, l) in [("controller", &d.controller), ("baseline", &d.baseline)] {
+            for (side, l) in [
+                ("controller", &d.controller),
+                ("baseline", &d.baseline),
+                ("controller (stored ms)", &d.controller_stored),
+                ("baseline (stored ms)", &d.baseline_stored),
+            ] {
                 let _ = writeln!(
                     out,
                     "| {side} | {} | {} | {} | {} | {} |",

@@ -61,6 +61,9 @@ struct Replica {
     handle: Option<ControllerHandle>,
     counts: Arc<Counts>,
     db: Db,
+    /// Scheduled Flow only: each reserved occurrence's lateness in milliseconds, at the clock's
+    /// resolution (from [`Flow::on_runs_reserved`]; the stored `reserved_at` keeps whole ms).
+    lateness: Arc<std::sync::Mutex<Vec<f64>>>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -118,6 +121,7 @@ async fn replica(
             }
         }};
     }
+    let lateness = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (task, handle, counts) = match family {
         Family::Bulk => {
             let bulk = Bulk::without_migrations(db.clone(), 1, BulkOptions::default());
@@ -126,6 +130,19 @@ async fn replica(
         }
         Family::Flow => {
             let flow = Flow::without_migrations(db.clone(), 1, FlowOptions::default());
+            let late = lateness.clone();
+            flow.on_runs_reserved(move |r| {
+                let mut v = late
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                for o in &r.occurrences {
+                    let ms = match r.reserved_at.duration_since(*o) {
+                        Ok(d) => d.as_secs_f64() * 1e3,
+                        Err(e) => -e.duration().as_secs_f64() * 1e3,
+                    };
+                    v.push(ms);
+                }
+            });
             let f = flow.clone();
             start!(flow.source(), |w| f.set_waker(w))
         }
@@ -137,6 +154,7 @@ async fn replica(
         handle,
         counts,
         db,
+        lateness,
     })
 }
 
@@ -447,8 +465,12 @@ fn lateness(mut v: Vec<f64>) -> Lateness {
 /// The due scenario.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Due {
+    /// From the reservation's clock reading (microseconds and finer).
     pub(crate) controller: Lateness,
     pub(crate) baseline: Lateness,
+    /// From the stored whole-millisecond columns (`reserved_at - occurrence_at`), as a check.
+    pub(crate) controller_stored: Lateness,
+    pub(crate) baseline_stored: Lateness,
 }
 
 pub(crate) async fn due(env: &Env, plan: &Plan) -> Result<Due, AnyError> {
@@ -478,20 +500,38 @@ pub(crate) async fn due(env: &Env, plan: &Plan) -> Result<Due, AnyError> {
             + Duration::from_secs(2);
         env.wait_count("SELECT COUNT(*) FROM flow_run", plan.due_items as i64, wait)
             .await;
+        let late = rs[0].lateness.clone();
         stop_all(rs, &stop).await;
-        let late: Vec<f64> = sqlx::query("SELECT reserved_at - occurrence_at FROM flow_run")
+        let stored: Vec<f64> = sqlx::query("SELECT reserved_at - occurrence_at FROM flow_run")
             .fetch_all(env.db.pool())
             .await?
             .iter()
             .map(|r| r.try_get::<i64, _>(0).map(|v| v as f64))
             .collect::<Result<_, _>>()?;
-        sides.push(lateness(late));
+        let precise = std::mem::take(
+            &mut *late
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        // The hook saw every committed run (one process, no crash): the same count as the
+        // store's, each within a millisecond of its stored (truncated) figure.
+        if precise.len() != stored.len() {
+            return Err(format!(
+                "the reservation hook saw {} runs, the store holds {}",
+                precise.len(),
+                stored.len()
+            )
+            .into());
+        }
+        sides.push((lateness(precise), lateness(stored)));
     }
-    let baseline = sides.pop().expect("two sides");
-    let controller = sides.pop().expect("two sides");
+    let (baseline, baseline_stored) = sides.pop().expect("two sides");
+    let (controller, controller_stored) = sides.pop().expect("two sides");
     Ok(Due {
         controller,
         baseline,
+        controller_stored,
+        baseline_stored,
     })
 }
 

@@ -32,7 +32,7 @@ pub use source::{FlowAttempt, FlowSource};
 pub use spec::{MisfirePolicy, Spec};
 pub use store::{
     CHANNEL, Created, Flow, FlowConfig, FlowError, FlowErrorKind, FlowOptions, FlowRun, MIGRATIONS,
-    NewSchedule, Observations, ScheduleId, ScheduleStatus, ScheduleUpdate,
+    NewSchedule, Observations, RunsReserved, ScheduleId, ScheduleStatus, ScheduleUpdate,
 };
 
 /// The text of one of the family's named statements for `dialect` (from

@@ -6,13 +6,13 @@ use std::time::{Duration, SystemTime};
 use nexuscrm_persistence::WriteError;
 use nexuscrm_persistence::family::{self, attempt_error};
 use nexuscrm_persistence::sqlx::{self, Row};
-use nexuscrm_persistence::support::{new_token, retrying, text, to_ms};
+use nexuscrm_persistence::support::{from_ms, new_token, retrying, text, to_ms};
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
 use tokio_util::sync::CancellationToken;
 
 use crate::spec::{MisfirePolicy, Spec, plan, timing};
-use crate::store::{Flow, queries};
+use crate::store::{Flow, RunsReserved, ScheduleId, queries};
 
 /// The Scheduled Flow family's [`Source`]: claims due schedules (and schedules whose lease
 /// expired) with a claim token; `next_work_at` is the earliest cursor of an enabled schedule or
@@ -180,7 +180,12 @@ enum Reserved {
     /// The claim is no longer ours (lease lost, schedule updated, paused or deleted).
     Stale,
     /// Runs inserted and the cursor advanced; `complete` when nothing due is left.
-    Progress { complete: bool, cursor: Option<i64> },
+    Progress {
+        complete: bool,
+        cursor: Option<i64>,
+        /// What committed, for the [`Flow::on_runs_reserved`] hooks.
+        reserved: RunsReserved,
+    },
 }
 
 fn crash(e: nexuscrm_worker::fault::Crash) -> AttemptError {
@@ -263,7 +268,8 @@ impl FlowAttempt {
                             complete: true,
                         },
                     };
-                    let reserved_at = to_ms(clock.now());
+                    let reserved_clock = clock.now();
+                    let reserved_at = to_ms(reserved_clock);
                     for &occurrence in &p.runs {
                         // Unique on (schedule_id, occurrence_at): a second reservation of one
                         // occurrence fails here and rolls back, it is never hidden.
@@ -301,6 +307,12 @@ impl FlowAttempt {
                     Ok(Reserved::Progress {
                         complete: p.complete,
                         cursor: p.cursor,
+                        reserved: RunsReserved {
+                            schedule: ScheduleId(id),
+                            flow,
+                            occurrences: p.runs.iter().map(|&o| from_ms(o)).collect(),
+                            reserved_at: reserved_clock,
+                        },
                     })
                 })
             })
@@ -442,7 +454,12 @@ impl FlowAttempt {
                     faults.hit(CrashPoint::LeaseExpiry).map_err(crash)?;
                     return Ok(());
                 }
-                Ok(Reserved::Progress { complete, cursor }) => {
+                Ok(Reserved::Progress {
+                    complete,
+                    cursor,
+                    reserved,
+                }) => {
+                    self.flow.runs_reserved(&reserved);
                     faults.hit(CrashPoint::AfterEffect).map_err(crash)?;
                     if complete {
                         // The cursor moved: the controller re-reads next_work_at (no claim),

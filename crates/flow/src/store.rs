@@ -396,7 +396,25 @@ pub(crate) struct Inner {
     pub(crate) fence: Fence,
     pub(crate) waker: OnceLock<nexuscrm_worker::Waker>,
     pub(crate) probe: GenerationProbe,
+    pub(crate) reserved_hooks: std::sync::Mutex<Vec<ReservedHook>>,
 }
+
+/// Runs that one reservation transaction committed (see [`Flow::on_runs_reserved`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunsReserved {
+    /// The schedule.
+    pub schedule: ScheduleId,
+    /// The schedule's flow.
+    pub flow: String,
+    /// The occurrences reserved, in order (the stored milliseconds).
+    pub occurrences: Vec<SystemTime>,
+    /// The clock's reading the runs' `reserved_at` was taken from, at its full resolution
+    /// (the stored column keeps milliseconds): an occurrence's lateness is
+    /// `reserved_at - occurrence`.
+    pub reserved_at: SystemTime,
+}
+
+pub(crate) type ReservedHook = Arc<dyn Fn(&RunsReserved) + Send + Sync>;
 
 impl Inner {
     pub(crate) fn now_ms(&self) -> i64 {
@@ -574,8 +592,37 @@ impl Flow {
                 faults: options.faults,
                 fence: Fence::new(FAMILY, generation),
                 waker: OnceLock::new(),
+                reserved_hooks: std::sync::Mutex::new(Vec::new()),
             }),
             actor: Arc::from("operator"),
+        }
+    }
+
+    /// Calls `hook` after every reservation transaction that commits runs in this process
+    /// (after the commit, outside the transaction, on the attempt's task: a hook must not
+    /// block; product telemetry pushes into a bounded buffer and returns). A crash between the
+    /// commit and the hook loses the call, never the runs.
+    pub fn on_runs_reserved(&self, hook: impl Fn(&RunsReserved) + Send + Sync + 'static) {
+        self.inner
+            .reserved_hooks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(Arc::new(hook));
+    }
+
+    /// Runs the reservation hooks (nothing when no runs were reserved).
+    pub(crate) fn runs_reserved(&self, done: &RunsReserved) {
+        if done.occurrences.is_empty() {
+            return;
+        }
+        let hooks = self
+            .inner
+            .reserved_hooks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        for h in &hooks {
+            h(done);
         }
     }
 

@@ -156,6 +156,10 @@ async fn after_downtime_a_restarted_worker_applies_each_misfire_policy_exactly()
         let Some((t, flow)) = flow_on(d, "downtime", options).await else {
             continue;
         };
+        // The reservation hook sees what each committed reservation stored.
+        let seen = Arc::new(Mutex::new(Vec::<nexuscrm_flow::RunsReserved>::new()));
+        let s2 = seen.clone();
+        flow.on_runs_reserved(move |r| s2.lock().unwrap().push(r.clone()));
         let policies = [
             ("catch-up-all", MisfirePolicy::CatchUp { max: 100 }),
             ("catch-up-3", MisfirePolicy::CatchUp { max: 3 }),
@@ -201,6 +205,17 @@ async fn after_downtime_a_restarted_worker_applies_each_misfire_policy_exactly()
             assert_eq!(cursor, expect, "{d}: schedule {i} resumes after now");
             assert_eq!(s.state, "active");
         }
+        let mut hooked: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
+        for r in seen.lock().unwrap().iter() {
+            assert_eq!(r.flow, "report", "{d}");
+            assert_eq!(r.reserved_at, back, "{d}: the reservation's clock reading");
+            assert!(!r.occurrences.is_empty(), "{d}: no call without runs");
+            let e = hooked.entry(r.schedule.0).or_default();
+            e.extend(r.occurrences.iter().map(|&o| ms(o)));
+        }
+        let stored: std::collections::BTreeMap<i64, Vec<i64>> =
+            runs.into_iter().filter(|(_, v)| !v.is_empty()).collect();
+        assert_eq!(hooked, stored, "{d}: the hook saw exactly the stored runs");
         t.drop_database().await;
     }
 }
