@@ -514,7 +514,7 @@ pub(crate) async fn due(env: &Env, plan: &Plan) -> Result<Due, AnyError> {
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         );
         // The hook saw every committed run (one process, no crash): the same count as the
-        // store's, each within a millisecond of its stored (truncated) figure.
+        // store's.
         if precise.len() != stored.len() {
             return Err(format!(
                 "the reservation hook saw {} runs, the store holds {}",
