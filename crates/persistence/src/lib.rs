@@ -39,7 +39,7 @@ pub mod testing;
 
 use std::sync::OnceLock;
 
-pub use db::{Db, DbOptions, Dialect, is_tidb_version, redact_url};
+pub use db::{Db, DbOptions, Dialect, PING_IF_IDLE_FOR, is_tidb_version, redact_url};
 
 /// Where the families' observed counts stop (`/metrics`, `/snapshot`, `status`): each count
 /// reads at most this many index entries, so a scrape costs the same over a history of

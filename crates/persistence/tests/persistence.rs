@@ -661,3 +661,94 @@ async fn tidb_and_galera_rollback_errors_are_classified_by_number_from_a_real_se
     }
     t.drop_database().await;
 }
+
+/// Kills the server session behind `db`'s single pooled connection, from another connection.
+async fn kill_pooled_session(db: &Db, url: &str) {
+    let (pid_sql, kill) = match db.dialect() {
+        Dialect::Postgres => ("SELECT CAST(pg_backend_pid() AS BIGINT)", "pg_terminate"),
+        _ => ("SELECT CAST(CONNECTION_ID() AS SIGNED)", "kill"),
+    };
+    let pid: i64 = sqlx::query_scalar(pid_sql)
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    let other = Db::connect_with(url, nexuscrm_persistence::DbOptions::default().max_connections(1))
+        .await
+        .unwrap();
+    if kill == "pg_terminate" {
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend(CAST($1 AS INTEGER))")
+            .bind(pid)
+            .fetch_one(other.pool())
+            .await
+            .unwrap();
+        assert!(killed, "session {pid} terminated");
+    } else {
+        sqlx::query(&format!("KILL {pid}"))
+            .execute(other.pool())
+            .await
+            .unwrap();
+    }
+    other.pool().close().await;
+}
+
+async fn insert_row(db: &Db, id: i64) -> Result<(), WriteError> {
+    let sql = match db.dialect() {
+        Dialect::Postgres => "INSERT INTO p (id) VALUES ($1)",
+        _ => "INSERT INTO p (id) VALUES (?)",
+    };
+    db.write(&CancellationToken::new(), move |c| {
+        Box::pin(async move {
+            sqlx::query(sql).bind(id).execute(&mut *c).await?;
+            Ok(())
+        })
+    })
+    .await
+}
+
+/// The pool pings only a connection idle for `ping_if_idle_for` (1 s by default), so a busy
+/// queue spends no round trip per transaction on it. A recently used connection that died is
+/// found by the next write's `BEGIN`: not committed (which every family retries), nothing
+/// written, and the write after it runs on a new connection. With `ping_if_idle_for(ZERO)`
+/// (ping on every acquire) the dead connection is replaced before the write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recently_used_connection_that_died_fails_its_begin_as_not_committed() {
+    use nexuscrm_persistence::{DbOptions, PING_IF_IDLE_FOR};
+    use std::time::Duration;
+    assert_eq!(PING_IF_IDLE_FOR, Duration::from_secs(1));
+    for d in [Dialect::Postgres, Dialect::Mysql] {
+        for ping_every_time in [false, true] {
+            let mut options = DbOptions::default().max_connections(1);
+            if ping_every_time {
+                options = options.ping_if_idle_for(Duration::ZERO);
+            } else {
+                // Long enough that no scheduling delay on a loaded machine reaches it.
+                options = options.ping_if_idle_for(Duration::from_secs(3600));
+            }
+            let Some(t) = TestDb::create_with(d, "deadconn", options).await else {
+                return;
+            };
+            sqlx::query("CREATE TABLE p (id BIGINT PRIMARY KEY)")
+                .execute(t.db.pool())
+                .await
+                .unwrap();
+            kill_pooled_session(&t.db, &t.url).await;
+            let first = insert_row(&t.db, 1).await;
+            if ping_every_time {
+                first.unwrap_or_else(|e| panic!("{d}: the ping replaced the connection: {e}"));
+            } else {
+                let e = first.expect_err("the dead connection's BEGIN fails");
+                assert!(e.is_not_committed(), "{d}: {e:?}");
+            }
+            insert_row(&t.db, 2)
+                .await
+                .unwrap_or_else(|e| panic!("{d}: the next write runs on a new connection: {e}"));
+            let stored: Vec<i64> = sqlx::query_scalar("SELECT id FROM p ORDER BY id")
+                .fetch_all(t.db.pool())
+                .await
+                .unwrap();
+            let want = if ping_every_time { vec![1, 2] } else { vec![2] };
+            assert_eq!(stored, want, "{d}, ping every time: {ping_every_time}");
+            t.drop_database().await;
+        }
+    }
+}
