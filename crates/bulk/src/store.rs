@@ -371,8 +371,6 @@ pub struct SegmentCommitted {
     pub rejected: u64,
 }
 
-pub(crate) type SegmentHook = Arc<dyn Fn(&SegmentCommitted) + Send + Sync>;
-
 /// A job's state, as the store records it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobStatus {
@@ -460,7 +458,7 @@ pub(crate) struct Inner {
     pub(crate) probe: GenerationProbe,
     pub(crate) records_probe: Option<GenerationProbe>,
     pub(crate) record_watchers: std::sync::Mutex<Vec<nexuscrm_worker::Waker>>,
-    pub(crate) segment_hooks: std::sync::Mutex<Vec<SegmentHook>>,
+    pub(crate) segment_hooks: nexuscrm_persistence::support::Hooks<SegmentCommitted>,
 }
 
 /// The PostgreSQL notification channel of the Bulk family.
@@ -556,7 +554,7 @@ impl Bulk {
                 probe,
                 records_probe,
                 record_watchers: std::sync::Mutex::new(Vec::new()),
-                segment_hooks: std::sync::Mutex::new(Vec::new()),
+                segment_hooks: nexuscrm_persistence::support::Hooks::default(),
                 db,
                 cfg: options.config,
                 clock: options.clock,
@@ -582,24 +580,12 @@ impl Bulk {
     /// and rejected (after the commit, outside the transaction, on the attempt's task: a hook
     /// must not block; product telemetry pushes into a bounded buffer and returns).
     pub fn on_segment_committed(&self, hook: impl Fn(&SegmentCommitted) + Send + Sync + 'static) {
-        self.inner
-            .segment_hooks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(Arc::new(hook));
+        self.inner.segment_hooks.add(hook);
     }
 
     /// Runs the segment hooks.
     pub(crate) fn segment_committed(&self, done: SegmentCommitted) {
-        let hooks = self
-            .inner
-            .segment_hooks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        for h in &hooks {
-            h(&done);
-        }
+        self.inner.segment_hooks.call(&done);
     }
 
     /// Tells watchers (and, when announcing, other processes) that a segment committed.

@@ -83,12 +83,13 @@ async fn replica(
 ) -> Result<Replica, AnyError> {
     let db = Db::connect(&env.url(side)).await?;
     let stop = stop.clone();
-    // The Runtime Worker's defaults: Bulk refills batch for up to 20 ms while attempts run.
-    let (capacity, name, cooldown) = match family {
-        Family::Bulk => (4, "bulk", Duration::from_millis(20)),
-        Family::Flow => (8, "flow", Duration::ZERO),
+    // The Runtime Worker's defaults: Bulk refills batch for up to 20 ms while attempts run;
+    // Scheduled Flow's due timers are precise.
+    let (capacity, name, cooldown, precise) = match family {
+        Family::Bulk => (4, "bulk", Duration::from_millis(20), false),
+        Family::Flow => (8, "flow", Duration::ZERO, true),
         // As the user wrote it: capacity 8, no cooldown.
-        Family::Tiny => (8, "tiny", Duration::ZERO),
+        Family::Tiny => (8, "tiny", Duration::ZERO, false),
     };
     macro_rules! start {
         ($source:expr, $set_waker:expr) => {{
@@ -101,7 +102,8 @@ async fn replica(
                         Config::new(name)
                             .capacity(NonZeroUsize::new(capacity).expect("> 0"))
                             .claim_cooldown(cooldown)
-                            .claims_in_flight(plan.claims_in_flight),
+                            .claims_in_flight(plan.claims_in_flight)
+                            .precise_timers(precise),
                     )?;
                     ($set_waker)(ctl.waker());
                     let handle = ctl.handle();

@@ -3,10 +3,10 @@
 use std::num::NonZeroUsize;
 use std::time::{Duration, SystemTime};
 
-use nexuscrm_persistence::WriteError;
 use nexuscrm_persistence::family::{self, attempt_error};
 use nexuscrm_persistence::sqlx::{self, Row};
 use nexuscrm_persistence::support::{from_ms, new_token, retrying, text, to_ms};
+use nexuscrm_persistence::{Dialect, WriteError};
 use nexuscrm_worker::fault::CrashPoint;
 use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Generation, Source, SourceError};
 use tokio_util::sync::CancellationToken;
@@ -24,6 +24,104 @@ pub struct FlowSource {
 }
 
 impl FlowSource {
+    /// The claim transaction on SQLite and the MySQL dialect: the fence read
+    /// ([`family::fenced`]), then the claim statement. The claimed `(id, version)`s.
+    async fn claim_after_fence_read(
+        &self,
+        token: &str,
+        limit: i64,
+        cancel: &CancellationToken,
+    ) -> Result<Vec<(i64, i64)>, SourceError> {
+        let inner = &self.flow.inner;
+        let dialect = inner.db.dialect();
+        let q = queries(dialect);
+        let lease_ms = inner.cfg.lease.as_millis() as i64;
+        let generation = inner.fence.generation();
+        let claim_token = token.to_owned();
+        family::fenced(
+            &inner.db,
+            &inner.fence,
+            &inner.clock,
+            cancel,
+            move |c, now| {
+                let claim_token = claim_token.clone();
+                Box::pin(async move {
+                    let claim = sqlx::query(q.get("claim"))
+                        .bind(claim_token.as_str())
+                        .bind(now + lease_ms)
+                        .bind(generation)
+                        .bind(now)
+                        .bind(now)
+                        .bind(now)
+                        .bind(limit);
+                    let rows =
+                        family::claim_rows(c, dialect, claim, q.get("claimed"), &claim_token)
+                            .await?;
+                    rows.iter()
+                        .map(|r| Ok((r.try_get::<i64, _>(0)?, r.try_get::<i64, _>(1)?)))
+                        .collect()
+                })
+            },
+        )
+        .await
+    }
+
+    /// The claim transaction on PostgreSQL: the fence read folded into the claim statement
+    /// (`claim_fenced`), so the transaction is `BEGIN`, one statement and `COMMIT`, a round
+    /// trip fewer than [`claim_after_fence_read`](Self::claim_after_fence_read), with the same
+    /// lock held to the same commit. Lock contention is retried as there.
+    async fn claim_fence_folded(
+        &self,
+        token: &str,
+        limit: i64,
+        cancel: &CancellationToken,
+    ) -> Result<Vec<(i64, i64)>, SourceError> {
+        let inner = &self.flow.inner;
+        let q = queries(Dialect::Postgres);
+        let lease_ms = inner.cfg.lease.as_millis() as i64;
+        let generation = inner.fence.generation();
+        let ours = retrying(cancel, || {
+            let (token, clock) = (token.to_owned(), inner.clock.clone());
+            let (family, stripe) = (
+                inner.fence.family().to_owned(),
+                inner.fence.stripe(&inner.db),
+            );
+            inner.db.write(cancel, move |c| {
+                Box::pin(async move {
+                    let now = to_ms(clock.now());
+                    let rows = sqlx::query(q.get("claim_fenced"))
+                        .bind(token.as_str())
+                        .bind(now + lease_ms)
+                        .bind(generation)
+                        .bind(now)
+                        .bind(now)
+                        .bind(now)
+                        .bind(limit)
+                        .bind(family.as_str())
+                        .bind(stripe)
+                        .fetch_all(&mut *c)
+                        .await?;
+                    let mut claimed = Vec::with_capacity(rows.len());
+                    let mut ours = false;
+                    for r in &rows {
+                        ours = r.try_get::<i64, _>(0)? == generation;
+                        let id: Option<i64> = r.try_get(1)?;
+                        let version: Option<i64> = r.try_get(2)?;
+                        if let (Some(id), Some(version)) = (id, version) {
+                            claimed.push((id, version));
+                        }
+                    }
+                    // Fenced out: the statement claimed nothing (its UPDATE is gated on the
+                    // generation), and nothing else ran.
+                    Ok(ours.then_some(claimed))
+                })
+            })
+        })
+        .await
+        .map_err(family::source_error)?;
+        ours.ok_or_else(|| family::superseded(inner.fence.family(), generation))
+    }
+
     /// The family handle.
     #[must_use]
     pub fn flow(&self) -> &Flow {
@@ -86,39 +184,13 @@ impl Source for FlowSource {
         cancel: CancellationToken,
     ) -> Result<ClaimBatch<FlowAttempt>, SourceError> {
         let inner = &self.flow.inner;
-        let dialect = inner.db.dialect();
-        let q = queries(dialect);
         let token = new_token();
-        let lease_ms = inner.cfg.lease.as_millis() as i64;
         let limit = capacity.get() as i64;
-        let generation = inner.fence.generation();
-        let claim_token = token.clone();
-        let mut schedules: Vec<(i64, i64)> = family::fenced(
-            &inner.db,
-            &inner.fence,
-            &inner.clock,
-            &cancel,
-            move |c, now| {
-                let claim_token = claim_token.clone();
-                Box::pin(async move {
-                    let claim = sqlx::query(q.get("claim"))
-                        .bind(claim_token.as_str())
-                        .bind(now + lease_ms)
-                        .bind(generation)
-                        .bind(now)
-                        .bind(now)
-                        .bind(now)
-                        .bind(limit);
-                    let rows =
-                        family::claim_rows(c, dialect, claim, q.get("claimed"), &claim_token)
-                            .await?;
-                    rows.iter()
-                        .map(|r| Ok((r.try_get::<i64, _>(0)?, r.try_get::<i64, _>(1)?)))
-                        .collect()
-                })
-            },
-        )
-        .await?;
+        let mut schedules = if inner.db.dialect() == Dialect::Postgres {
+            self.claim_fence_folded(&token, limit, &cancel).await?
+        } else {
+            self.claim_after_fence_read(&token, limit, &cancel).await?
+        };
         inner
             .faults
             .hit(CrashPoint::AfterClaim)
@@ -183,8 +255,9 @@ enum Reserved {
     Progress {
         complete: bool,
         cursor: Option<i64>,
-        /// What committed, for the [`Flow::on_runs_reserved`] hooks.
-        reserved: RunsReserved,
+        /// What committed, for the [`Flow::on_runs_reserved`] hooks (`None` when none is
+        /// registered: nothing is built for nobody).
+        reserved: Option<RunsReserved>,
     },
 }
 
@@ -225,24 +298,45 @@ impl FlowAttempt {
         let lease_ms = inner.cfg.lease.as_millis() as i64;
         let clock = inner.clock.clone();
         let (id, version, token) = (self.id, self.version, self.token.clone());
+        let hooked = !inner.reserved_hooks.is_empty();
         inner
             .db
             .write(cancel, move |c| {
                 Box::pin(async move {
-                    if !fence.holds(c, &db).await? {
-                        return Ok(Reserved::Stale);
-                    }
-                    // "Now" once the transaction holds its locks: a cursor computed from a
-                    // time read before a long lock wait could already be due at commit.
-                    let now = to_ms(clock.now());
-                    let Some(row) = sqlx::query(q.get("reserve_read"))
-                        .bind(id)
-                        .bind(token.as_str())
-                        .bind(version)
-                        .bind(now)
-                        .fetch_optional(&mut *c)
-                        .await?
-                    else {
+                    let read = if db.dialect() == Dialect::Postgres {
+                        // The fence read folded into the schedule's read: a round trip fewer,
+                        // the same locks to the same commit. "Now" is read before the locks
+                        // are: a cursor that a long lock wait made due by the commit is
+                        // claimed again at once (the wake after a complete reservation).
+                        let now = to_ms(clock.now());
+                        sqlx::query(q.get("reserve_read_fenced"))
+                            .bind(id)
+                            .bind(token.as_str())
+                            .bind(version)
+                            .bind(now)
+                            .bind(fence.family())
+                            .bind(fence.stripe(&db))
+                            .bind(fence.generation())
+                            .fetch_optional(&mut *c)
+                            .await?
+                            .map(|row| (row, now))
+                    } else {
+                        if !fence.holds(c, &db).await? {
+                            return Ok(Reserved::Stale);
+                        }
+                        // "Now" once the transaction holds its locks: a cursor computed from a
+                        // time read before a long lock wait could already be due at commit.
+                        let now = to_ms(clock.now());
+                        sqlx::query(q.get("reserve_read"))
+                            .bind(id)
+                            .bind(token.as_str())
+                            .bind(version)
+                            .bind(now)
+                            .fetch_optional(&mut *c)
+                            .await?
+                            .map(|row| (row, now))
+                    };
+                    let Some((row, now)) = read else {
                         return Ok(Reserved::Stale);
                     };
                     let flow = text(&row, 0)?;
@@ -307,12 +401,12 @@ impl FlowAttempt {
                     Ok(Reserved::Progress {
                         complete: p.complete,
                         cursor: p.cursor,
-                        reserved: RunsReserved {
+                        reserved: hooked.then(|| RunsReserved {
                             schedule: ScheduleId(id),
                             flow,
                             occurrences: p.runs.iter().map(|&o| from_ms(o)).collect(),
                             reserved_at: reserved_clock,
-                        },
+                        }),
                     })
                 })
             })
@@ -459,7 +553,9 @@ impl FlowAttempt {
                     cursor,
                     reserved,
                 }) => {
-                    self.flow.runs_reserved(&reserved);
+                    if let Some(reserved) = &reserved {
+                        self.flow.runs_reserved(reserved);
+                    }
                     faults.hit(CrashPoint::AfterEffect).map_err(crash)?;
                     if complete {
                         // The cursor moved: the controller re-reads next_work_at (no claim),

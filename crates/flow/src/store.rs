@@ -396,7 +396,7 @@ pub(crate) struct Inner {
     pub(crate) fence: Fence,
     pub(crate) waker: OnceLock<nexuscrm_worker::Waker>,
     pub(crate) probe: GenerationProbe,
-    pub(crate) reserved_hooks: std::sync::Mutex<Vec<ReservedHook>>,
+    pub(crate) reserved_hooks: nexuscrm_persistence::support::Hooks<RunsReserved>,
 }
 
 /// Runs that one reservation transaction committed (see [`Flow::on_runs_reserved`]).
@@ -413,8 +413,6 @@ pub struct RunsReserved {
     /// `reserved_at - occurrence`.
     pub reserved_at: SystemTime,
 }
-
-pub(crate) type ReservedHook = Arc<dyn Fn(&RunsReserved) + Send + Sync>;
 
 impl Inner {
     pub(crate) fn now_ms(&self) -> i64 {
@@ -592,7 +590,7 @@ impl Flow {
                 faults: options.faults,
                 fence: Fence::new(FAMILY, generation),
                 waker: OnceLock::new(),
-                reserved_hooks: std::sync::Mutex::new(Vec::new()),
+                reserved_hooks: nexuscrm_persistence::support::Hooks::default(),
             }),
             actor: Arc::from("operator"),
         }
@@ -603,26 +601,13 @@ impl Flow {
     /// block; product telemetry pushes into a bounded buffer and returns). A crash between the
     /// commit and the hook loses the call, never the runs.
     pub fn on_runs_reserved(&self, hook: impl Fn(&RunsReserved) + Send + Sync + 'static) {
-        self.inner
-            .reserved_hooks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(Arc::new(hook));
+        self.inner.reserved_hooks.add(hook);
     }
 
     /// Runs the reservation hooks (nothing when no runs were reserved).
     pub(crate) fn runs_reserved(&self, done: &RunsReserved) {
-        if done.occurrences.is_empty() {
-            return;
-        }
-        let hooks = self
-            .inner
-            .reserved_hooks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        for h in &hooks {
-            h(done);
+        if !done.occurrences.is_empty() {
+            self.inner.reserved_hooks.call(done);
         }
     }
 

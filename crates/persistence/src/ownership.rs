@@ -60,6 +60,16 @@ impl Fence {
         self.generation
     }
 
+    /// The fence stripe the next fenced statement should lock (the stripes spread replicas'
+    /// share locks over several rows). For a family that folds the fence read into its own
+    /// statement (`FOR SHARE` on `runtime_work_fence_stripe` at `(family, stripe)`, comparing
+    /// the generation), as Scheduled Flow's claim does on PostgreSQL; [`Fence::holds`] picks
+    /// its stripe the same way.
+    #[must_use]
+    pub fn stripe(&self, db: &Db) -> i32 {
+        i32::try_from(next_stripe(db.fence_stripes())).unwrap_or(0)
+    }
+
     /// Inside the caller's write transaction: whether this generation still owns the family.
     /// Locks one of the fence's [`FENCE_STRIPES`] stripes (PostgreSQL `FOR SHARE`, MariaDB
     /// `LOCK IN SHARE MODE`, TiDB `FOR UPDATE`; SQLite's `BEGIN IMMEDIATE` already serializes
@@ -77,7 +87,7 @@ impl Fence {
         } else {
             q.get("fence_read")
         };
-        let stripe = i32::try_from(next_stripe(db.fence_stripes())).unwrap_or(0);
+        let stripe = self.stripe(db);
         let row = sqlx::query(stmt)
             .bind(&self.family)
             .bind(stripe)

@@ -199,6 +199,70 @@ pub fn placeholders(dialect: Dialect, start: usize, rows: usize, cols: usize) ->
     out
 }
 
+/// Callbacks a family runs after a commit (Bulk's `on_segment_committed`, Scheduled Flow's
+/// `on_runs_reserved`): registered at any time, called in registration order, after the
+/// commit and outside the transaction, on the caller's task. A hook must not block.
+///
+/// ```
+/// use std::sync::{Arc, atomic::{AtomicUsize, Ordering}};
+/// let hooks = nexuscrm_persistence::support::Hooks::<usize>::default();
+/// assert!(hooks.is_empty());
+/// let seen = Arc::new(AtomicUsize::new(0));
+/// let s = seen.clone();
+/// hooks.add(move |n: &usize| { s.fetch_add(*n, Ordering::Relaxed); });
+/// hooks.call(&3);
+/// assert_eq!(seen.load(Ordering::Relaxed), 3);
+/// ```
+pub struct Hooks<T: ?Sized> {
+    list: std::sync::Mutex<Vec<Hook<T>>>,
+}
+
+type Hook<T> = std::sync::Arc<dyn Fn(&T) + Send + Sync>;
+
+impl<T: ?Sized> Default for Hooks<T> {
+    fn default() -> Self {
+        Hooks {
+            list: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl<T: ?Sized> std::fmt::Debug for Hooks<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks")
+            .field("registered", &self.lock().len())
+            .finish()
+    }
+}
+
+impl<T: ?Sized> Hooks<T> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Hook<T>>> {
+        // A hook never runs under the lock, so a poisoned lock holds a consistent list.
+        self.list
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Registers `hook`.
+    pub fn add(&self, hook: impl Fn(&T) + Send + Sync + 'static) {
+        self.lock().push(std::sync::Arc::new(hook));
+    }
+
+    /// Whether no hook is registered (so the caller can skip building what it would pass).
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// Calls every registered hook with `value` (outside the lock: a hook may register another).
+    pub fn call(&self, value: &T) {
+        let hooks = self.lock().clone();
+        for h in &hooks {
+            h(value);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -672,9 +672,12 @@ async fn kill_pooled_session(db: &Db, url: &str) {
         .fetch_one(db.pool())
         .await
         .unwrap();
-    let other = Db::connect_with(url, nexuscrm_persistence::DbOptions::default().max_connections(1))
-        .await
-        .unwrap();
+    let other = Db::connect_with(
+        url,
+        nexuscrm_persistence::DbOptions::default().max_connections(1),
+    )
+    .await
+    .unwrap();
     if kill == "pg_terminate" {
         let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend(CAST($1 AS INTEGER))")
             .bind(pid)

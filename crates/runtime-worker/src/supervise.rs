@@ -250,6 +250,8 @@ pub(crate) async fn run(s: Settings) -> Result<ExitCode, AnyError> {
             flow.source(),
             Config::new("flow")
                 .capacity(capacity)
+                // A run's lateness is the product: its due timers fire within microseconds.
+                .precise_timers(true)
                 .reconcile_interval(s.flow.reconcile_interval)
                 .reconcile_jitter(s.flow.reconcile_interval / 10)
                 .shutdown_timeout(s.shutdown_timeout),

@@ -27,6 +27,7 @@ pub struct Config {
     pub(crate) generation_retry: Duration,
     pub(crate) claim_cooldown: Duration,
     pub(crate) claims_in_flight: NonZeroUsize,
+    pub(crate) precise_timers: bool,
     pub(crate) clock: Arc<dyn Clock>,
 }
 
@@ -41,6 +42,7 @@ impl fmt::Debug for Config {
             .field("generation_retry", &self.generation_retry)
             .field("claim_cooldown", &self.claim_cooldown)
             .field("claims_in_flight", &self.claims_in_flight)
+            .field("precise_timers", &self.precise_timers)
             .field("clock", &self.clock)
             .finish()
     }
@@ -68,6 +70,7 @@ impl Config {
             generation_retry: Duration::from_secs(1),
             claim_cooldown: Duration::ZERO,
             claims_in_flight: NonZeroUsize::MIN,
+            precise_timers: false,
             clock: Arc::new(SystemClock),
         }
     }
@@ -148,6 +151,31 @@ impl Config {
     pub fn claims_in_flight(mut self, claims: NonZeroUsize) -> Self {
         self.claims_in_flight = claims;
         self
+    }
+
+    /// Whether a due timer fires within microseconds of its time instead of within tokio's
+    /// millisecond timer wheel. By default off.
+    ///
+    /// Tokio rounds a deadline up to its next millisecond tick and the driver's wait rounds
+    /// again, so a due timer fires on average about 1 ms late (0 to 2 ms). With precise
+    /// timers the controller arms the wheel [`PRECISE_TIMER_LEAD`](crate::PRECISE_TIMER_LEAD)
+    /// early and waits out the rest with `std::thread::sleep` on tokio's blocking pool
+    /// (`nanosleep`, tens of microseconds of slack): one blocking-pool hop of at most 2 ms per
+    /// due timer, nothing per claim. Nothing else changes: the same timer fires at the same
+    /// due time, never before it, and asks the same one claim, so every Source-call budget
+    /// holds. The backstop and the cooldown stay on the wheel. For families whose items have a
+    /// due time (Scheduled Flow). Under tokio's paused clock the last part runs on the paused
+    /// wheel, so tests see the same times either way.
+    #[must_use]
+    pub fn precise_timers(mut self, precise: bool) -> Self {
+        self.precise_timers = precise;
+        self
+    }
+
+    /// Whether [`precise_timers`](Config::precise_timers) is on.
+    #[must_use]
+    pub fn get_precise_timers(&self) -> bool {
+        self.precise_timers
     }
 
     /// The wall clock used to convert `next_work_at` times into timers. By default the system

@@ -21,6 +21,35 @@ use crate::source::{Attempt, AttemptError, BoxError, ClaimBatch, Generation, Sou
 /// Timers further out than this are clamped; the backstop re-asks `next_work_at` long before.
 const MAX_TIMER: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// How far ahead of a due time a [precise timer](crate::Config::precise_timers) wakes on tokio's
+/// wheel (whose ticks are 1 ms, rounded up, and whose driver wait rounds up again) before
+/// sleeping the rest on the blocking pool.
+pub const PRECISE_TIMER_LEAD: Duration = Duration::from_millis(2);
+
+/// Sleeps until `deadline`: on tokio's wheel, or, when `precise`, on the wheel until
+/// [`PRECISE_TIMER_LEAD`] before it and then with `std::thread::sleep` on the blocking pool,
+/// so it ends within microseconds after `deadline` instead of about a millisecond. Never
+/// before `deadline`: under tokio's paused clock the thread's sleep does not move tokio's
+/// clock, so the end is waited on the wheel. Cancel-safe (dropping it leaves at most one
+/// short sleep running on the blocking pool).
+async fn sleep_until_due(deadline: Instant, precise: bool) {
+    if precise {
+        if let Some(early) = deadline.checked_sub(PRECISE_TIMER_LEAD) {
+            sleep_until(early).await;
+        }
+        let rest = deadline.saturating_duration_since(Instant::now());
+        if !rest.is_zero() {
+            // A failed join (the runtime shutting down) only means the wheel waits instead.
+            let _ = tokio::task::spawn_blocking(move || std::thread::sleep(rest)).await;
+        }
+        if Instant::now() >= deadline {
+            // Not through the wheel: it would wait for its next tick even for a passed time.
+            return;
+        }
+    }
+    sleep_until(deadline).await;
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Idle,
@@ -846,7 +875,7 @@ impl<S: Source> Run<S> {
                     }
                 }
                 () = self.shared.signal.notified() => {}
-                () = sleep_until(timer.unwrap_or(backstop)), if idle && timer.is_some() => {
+                () = sleep_until_due(timer.unwrap_or(backstop), self.config.precise_timers), if idle && timer.is_some() => {
                     self.timer = None;
                     if self.timer_is_due {
                         self.fired_due = timer;

@@ -168,7 +168,9 @@ mod source;
 pub use classification::{Classification, Declaration, DeclarationError, Durability, Effect};
 pub use clock::{Clock, SystemClock};
 pub use config::{Config, ConfigError};
-pub use controller::{Controller, ControllerHandle, RunError, RunErrorKind, Waker};
+pub use controller::{
+    Controller, ControllerHandle, PRECISE_TIMER_LEAD, RunError, RunErrorKind, Waker,
+};
 pub use snapshot::{
     ATTEMPT_DURATION_BOUNDS, CLAIM_BATCH_BOUNDS, CLAIM_LATENCY_BOUNDS, ClaimLatency,
     DUE_LATENESS_BOUNDS, Histogram, HistogramUnit, ReconcileCause, ReconcileCounts, Snapshot,

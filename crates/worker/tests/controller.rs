@@ -351,6 +351,54 @@ async fn a_due_time_90s_ahead_claims_exactly_once_at_90s_and_never_before() {
     assert!(r.stop().await.is_ok());
 }
 
+/// Precise timers change when the thread wakes, never what the controller asks or when, as
+/// tokio's clock sees it: the same single claim at exactly 90 s, none a millisecond before.
+#[tokio::test(start_paused = true)]
+async fn a_precise_timer_claims_exactly_once_at_its_due_time_and_never_before() {
+    let src = ScriptedSource::new();
+    src.push_next_work_at(Step::ok(Due::In(Duration::from_secs(90))));
+    let r = start_with(&src, config(&src).precise_timers(true));
+    sleep(Duration::from_secs(89)).await;
+    assert_calls!(src, claim = 1, next_work_at = 1);
+    // Past the wheel's early wake (90 s - PRECISE_TIMER_LEAD), still before the due time.
+    sleep(Duration::from_millis(999)).await;
+    settle().await;
+    assert_calls!(src, claim = 1, next_work_at = 1);
+    sleep(Duration::from_millis(1)).await;
+    settle().await;
+    assert_calls!(src, claim = 2, next_work_at = 2, reconcile = 1);
+    assert_eq!(src.times(Op::Claim), vec![Duration::ZERO, 90 * SEC]);
+    let snap = r.handle.snapshot();
+    assert_eq!((snap.timers_armed, snap.timers_fired), (1, 1));
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+/// On the real clock (the blocking-pool sleep really runs), a precise timer still never fires
+/// before its due time. Only "not before" is asserted: how soon after is the evidence tool's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_precise_timer_on_the_real_clock_never_fires_before_its_due_time() {
+    for _ in 0..5 {
+        let src = ScriptedSource::new();
+        src.push_next_work_at(Step::ok(Due::In(Duration::from_millis(30))));
+        let r = start_with(&src, config(&src).precise_timers(true));
+        let begun = tokio::time::Instant::now();
+        while src.times(Op::Claim).len() < 2 {
+            assert!(begun.elapsed() < Duration::from_secs(60), "the timer fired");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let times = src.times(Op::Claim);
+        let answered = src.times(Op::NextWorkAt)[0];
+        assert!(
+            times[1] >= answered + Duration::from_millis(30),
+            "claimed at {:?}, due at {:?}",
+            times[1],
+            answered + Duration::from_millis(30)
+        );
+        assert!(r.stop().await.is_ok());
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_newer_earlier_due_time_replaces_the_older_timer() {
     let src = ScriptedSource::new();

@@ -41,6 +41,26 @@ WHERE id IN (
     ORDER BY next_occurrence_at LIMIT $7
     FOR UPDATE SKIP LOCKED)
 RETURNING id, version
+-- The same claim with its fence read folded in (PostgreSQL), run inside the claim transaction:
+-- one statement instead of two. The fence stripe's FOR SHARE lock (persistence's fence_read) is
+-- held until the transaction commits, so a takeover (which writes every stripe) waits for it,
+-- and a claim waiting on a takeover re-reads the stripe and sees the newer generation. One row
+-- per claimed schedule; one row with a NULL id when nothing was claimed (the fence's generation
+-- says whether it was ours); none when the stripe is missing.
+-- name: claim_fenced
+WITH fence AS (
+    SELECT generation FROM runtime_work_fence_stripe WHERE family = $8 AND stripe = $9 FOR SHARE
+), claimed AS (
+    UPDATE flow_schedule
+    SET state = 'leased', claim_token = $1, lease_expires_at = $2, owner_generation = $3, updated_at = $4
+    WHERE EXISTS (SELECT 1 FROM fence WHERE generation = $3) AND id IN (
+        SELECT id FROM flow_schedule
+        WHERE (state = 'active' AND next_occurrence_at <= $5) OR (state = 'leased' AND lease_expires_at <= $6)
+        ORDER BY next_occurrence_at LIMIT $7
+        FOR UPDATE SKIP LOCKED)
+    RETURNING id, version
+)
+SELECT fence.generation, claimed.id, claimed.version FROM fence LEFT JOIN claimed ON TRUE
 -- name: claimed
 SELECT id, version FROM flow_schedule WHERE claim_token = $1
 
@@ -63,6 +83,17 @@ WHERE id = $3 AND claim_token = $4 AND version = $5 AND state = 'leased' AND lea
 SELECT flow, spec_kind, cron_expr, zone, interval_ms, anchor_at, policy, catch_up_max, next_occurrence_at
 FROM flow_schedule
 WHERE id = $1 AND claim_token = $2 AND version = $3 AND state = 'leased' AND lease_expires_at > $4 FOR UPDATE
+-- The same read with the fence read folded in (PostgreSQL; see claim_fenced): no row when the
+-- schedule is no longer ours or the generation is fenced out, either way a stale reservation.
+-- name: reserve_read_fenced
+WITH fence AS (
+    SELECT generation FROM runtime_work_fence_stripe WHERE family = $5 AND stripe = $6 FOR SHARE
+)
+SELECT s.flow, s.spec_kind, s.cron_expr, s.zone, s.interval_ms, s.anchor_at, s.policy, s.catch_up_max, s.next_occurrence_at
+FROM flow_schedule s
+WHERE EXISTS (SELECT 1 FROM fence WHERE generation = $7)
+  AND s.id = $1 AND s.claim_token = $2 AND s.version = $3 AND s.state = 'leased' AND s.lease_expires_at > $4
+FOR UPDATE OF s
 -- name: run_insert
 INSERT INTO flow_run (schedule_id, flow, occurrence_at, reserved_at, schedule_version, owner_generation, state)
 VALUES ($1, $2, $3, $4, $5, $6, 'pending')
