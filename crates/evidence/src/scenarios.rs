@@ -473,10 +473,25 @@ pub(crate) struct Due {
     /// From the stored whole-millisecond columns (`reserved_at - occurrence_at`), as a check.
     pub(crate) controller_stored: Lateness,
     pub(crate) baseline_stored: Lateness,
+    /// Where the controller's time went, from its own snapshot (means over the scenario).
+    pub(crate) controller_parts: DueParts,
+}
+
+/// The controller's share of due lateness, from its snapshot: means in milliseconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct DueParts {
+    /// From the due time to the claim's start (the timer and the task's wake-up).
+    pub(crate) timer_ms: f64,
+    /// A claim's round trip (the claim transaction), over every claim of the scenario.
+    pub(crate) claim_ms: f64,
+    /// Timers that fired, and claims.
+    pub(crate) timers: u64,
+    pub(crate) claims: u64,
 }
 
 pub(crate) async fn due(env: &Env, plan: &Plan) -> Result<Due, AnyError> {
     let mut sides = Vec::new();
+    let mut parts = DueParts::default();
     for side in [Side::Controller, Side::Baseline] {
         env.reset_tables().await?;
         let stop = CancellationToken::new();
@@ -503,6 +518,16 @@ pub(crate) async fn due(env: &Env, plan: &Plan) -> Result<Due, AnyError> {
         env.wait_count("SELECT COUNT(*) FROM flow_run", plan.due_items as i64, wait)
             .await;
         let late = rs[0].lateness.clone();
+        if let Some(h) = &rs[0].handle {
+            let snap = h.snapshot();
+            let (timers, claims) = (snap.due_lateness.count(), snap.claim_latency.count());
+            parts = DueParts {
+                timer_ms: snap.due_lateness.sum as f64 / 1e6 / timers.max(1) as f64,
+                claim_ms: snap.claim_latency.sum.as_secs_f64() * 1e3 / claims.max(1) as f64,
+                timers,
+                claims,
+            };
+        }
         stop_all(rs, &stop).await;
         let stored: Vec<f64> = sqlx::query("SELECT reserved_at - occurrence_at FROM flow_run")
             .fetch_all(env.db.pool())
@@ -534,6 +559,7 @@ pub(crate) async fn due(env: &Env, plan: &Plan) -> Result<Due, AnyError> {
         baseline,
         controller_stored,
         baseline_stored,
+        controller_parts: parts,
     })
 }
 
