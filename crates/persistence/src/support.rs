@@ -138,14 +138,53 @@ where
     op().await
 }
 
+/// Whether `e` says the connection itself broke (an I/O or protocol error; PostgreSQL's
+/// connection-exception class `08` or an administrator or crash shutdown `57P01`-`57P03`;
+/// MySQL's "server has gone away" / "lost connection" `2006` / `2013`), not that the statement
+/// failed: a read that hit it is safe to run again on another connection.
+#[must_use]
+pub fn is_connection_lost(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(d) => {
+            if let Some(m) = d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                return matches!(m.number(), 2006 | 2013);
+            }
+            let code = d.code().unwrap_or_default();
+            code.starts_with("08") || matches!(code.as_ref(), "57P01" | "57P02" | "57P03")
+        }
+        _ => false,
+    }
+}
+
+/// How many times a read-only domain read ([`earliest`]) is run again after its connection
+/// broke: enough for the pool to get past the dead connections a server restart left in it
+/// (each is closed when it fails), never a loop.
+pub const READ_RETRIES_ON_LOST_CONNECTION: usize = 3;
+
 /// The earliest value of the single-value reads `statements` (each a `SELECT MIN(...)`, NULL
 /// when it finds nothing): how a family answers `next_work_at` from its indexed due and lease
-/// columns.
+/// columns. A read whose connection broke ([`is_connection_lost`]: a connection that died in
+/// the pool's ping window, see [`DbOptions::ping_if_idle_for`](crate::DbOptions::ping_if_idle_for))
+/// is run again, up to [`READ_RETRIES_ON_LOST_CONNECTION`] times: a lost `next_work_at` would
+/// leave the controller without its due timer until the backstop.
 ///
 /// # Errors
 ///
 /// A failed read.
 pub async fn earliest(db: &crate::Db, statements: &[&str]) -> Result<Option<i64>, sqlx::Error> {
+    let mut tries = 0;
+    loop {
+        match earliest_once(db, statements).await {
+            Err(e) if is_connection_lost(&e) && tries < READ_RETRIES_ON_LOST_CONNECTION => {
+                tries += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn earliest_once(db: &crate::Db, statements: &[&str]) -> Result<Option<i64>, sqlx::Error> {
     let mut out: Option<i64> = None;
     for sql in statements {
         let v: Option<i64> = sqlx::query(sql).fetch_one(db.pool()).await?.try_get(0)?;

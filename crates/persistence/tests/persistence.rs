@@ -741,6 +741,13 @@ async fn a_recently_used_connection_that_died_fails_its_begin_as_not_committed()
             } else {
                 let e = first.expect_err("the dead connection's BEGIN fails");
                 assert!(e.is_not_committed(), "{d}: {e:?}");
+                let WriteError::NotCommitted(cause) = &e else {
+                    unreachable!()
+                };
+                assert!(
+                    nexuscrm_persistence::support::is_connection_lost(cause),
+                    "{d}: a dead connection reads as lost: {cause:?}"
+                );
             }
             insert_row(&t.db, 2)
                 .await
@@ -753,5 +760,33 @@ async fn a_recently_used_connection_that_died_fails_its_begin_as_not_committed()
             assert_eq!(stored, want, "{d}, ping every time: {ping_every_time}");
             t.drop_database().await;
         }
+    }
+}
+
+/// A domain read (`support::earliest`, behind every family's `next_work_at`) whose connection
+/// died in the ping window runs again on a new connection instead of failing: a failed
+/// `next_work_at` would leave the controller without its due timer until the backstop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_next_work_read_on_a_connection_that_died_runs_again_on_a_new_one() {
+    use nexuscrm_persistence::DbOptions;
+    use std::time::Duration;
+    for d in [Dialect::Postgres, Dialect::Mysql] {
+        let options = DbOptions::default()
+            .max_connections(1)
+            .ping_if_idle_for(Duration::from_secs(3600));
+        let Some(t) = TestDb::create_with(d, "deadread", options).await else {
+            return;
+        };
+        sqlx::query("CREATE TABLE p (id BIGINT PRIMARY KEY)")
+            .execute(t.db.pool())
+            .await
+            .unwrap();
+        insert_row(&t.db, 7).await.unwrap();
+        kill_pooled_session(&t.db, &t.url).await;
+        let earliest = nexuscrm_persistence::support::earliest(&t.db, &["SELECT MIN(id) FROM p"])
+            .await
+            .unwrap_or_else(|e| panic!("{d}: the read runs again: {e}"));
+        assert_eq!(earliest, Some(7), "{d}");
+        t.drop_database().await;
     }
 }
