@@ -117,27 +117,36 @@ impl Report {
     }
 
     /// Each target, its measured value, and whether it is met.
+    /// The drain targets' runs: (label, replicas, controller, baseline) for Bulk and the tiny
+    /// jobs, at one replica and at the most replicas of the plan.
+    fn drain_pairs(&self) -> Vec<(&'static str, usize, &DrainRun, &DrainRun)> {
+        let most = self.plan.replicas.iter().copied().max().unwrap_or(1);
+        let mut counts = vec![1];
+        if most > 1 {
+            counts.push(most);
+        }
+        let mut pairs = Vec::new();
+        for (workload, label) in [("bulk", "Bulk"), ("own table", "tiny jobs")] {
+            for &r in &counts {
+                if let (Some(c), Some(b)) = (
+                    self.drain_at("controller", workload, r),
+                    self.drain_at("baseline", workload, r),
+                ) {
+                    pairs.push((label, r, c, b));
+                }
+            }
+        }
+        pairs
+    }
+
     /// For every drain target the controller missed: where the time went, from the runs'
     /// digests (database time = calls x mean time, summed), so a "no" comes with its reason.
     fn why_drain_targets_miss(&self, out: &mut String) {
-        let most = self.plan.replicas.iter().copied().max().unwrap_or(1);
-        let mut rows: Vec<(&str, usize, &DrainRun, &DrainRun)> = Vec::new();
-        for (workload, label) in [("bulk", "Bulk"), ("own table", "tiny jobs")] {
-            for r in [1, most] {
-                let (Some(c), Some(b)) = (
-                    self.drain_at("controller", workload, r),
-                    self.drain_at("baseline", workload, r),
-                ) else {
-                    continue;
-                };
-                if c.items_per_s >= 1.5 * b.items_per_s
-                    || rows.iter().any(|(l, n, ..)| *l == label && *n == r)
-                {
-                    continue;
-                }
-                rows.push((label, r, c, b));
-            }
-        }
+        let rows: Vec<_> = self
+            .drain_pairs()
+            .into_iter()
+            .filter(|(_, _, c, b)| c.items_per_s < 1.5 * b.items_per_s)
+            .collect();
         if rows.is_empty() {
             return;
         }
@@ -193,46 +202,33 @@ impl Report {
                 ratio >= 100.0,
             ));
         }
-        let most = self.plan.replicas.iter().copied().max().unwrap_or(1);
-        let mut counts = vec![1];
-        if most > 1 {
-            counts.push(most);
-        }
-        for (workload, label) in [("bulk", "Bulk"), ("own table", "tiny jobs")] {
-            for &r in &counts {
-                let (Some(c), Some(b)) = (
-                    self.drain_at("controller", workload, r),
-                    self.drain_at("baseline", workload, r),
-                ) else {
-                    continue;
-                };
-                let ratio = c.items_per_s / b.items_per_s.max(f64::MIN_POSITIVE);
-                t.push((
-                    format!("{label}, {r} replica(s): drain at least 1.5x the hot poller's"),
-                    format!(
-                        "{}x ({} vs {} items/s)",
-                        f(ratio),
-                        f(c.items_per_s),
-                        f(b.items_per_s)
-                    ),
-                    ratio >= 1.5,
-                ));
-                t.push((
-                    format!(
-                        "{label}, {r} replica(s): statements per item no more than the hot poller's"
-                    ),
-                    format!(
-                        "{} vs {} (claims: the controller {} for {} items, the poller {} for {})",
-                        f(c.statements_per_item),
-                        f(b.statements_per_item),
-                        c.claims,
-                        c.items_done,
-                        b.claims,
-                        b.items_done
-                    ),
-                    c.statements_per_item <= b.statements_per_item,
-                ));
-            }
+        for (label, r, c, b) in self.drain_pairs() {
+            let ratio = c.items_per_s / b.items_per_s.max(f64::MIN_POSITIVE);
+            t.push((
+                format!("{label}, {r} replica(s): drain at least 1.5x the hot poller's"),
+                format!(
+                    "{}x ({} vs {} items/s)",
+                    f(ratio),
+                    f(c.items_per_s),
+                    f(b.items_per_s)
+                ),
+                ratio >= 1.5,
+            ));
+            t.push((
+                format!(
+                    "{label}, {r} replica(s): statements per item no more than the hot poller's"
+                ),
+                format!(
+                    "{} vs {} (claims: the controller {} for {} items, the poller {} for {})",
+                    f(c.statements_per_item),
+                    f(b.statements_per_item),
+                    c.claims,
+                    c.items_done,
+                    b.claims,
+                    b.items_done
+                ),
+                c.statements_per_item <= b.statements_per_item,
+            ));
         }
         if let Some(c) = self.drain_pick("controller") {
             t.push((

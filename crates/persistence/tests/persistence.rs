@@ -694,6 +694,24 @@ async fn kill_pooled_session(db: &Db, url: &str) {
     other.pool().close().await;
 }
 
+/// A test database on a pool of one connection pinged after `ping_if_idle_for`, with an empty
+/// table `p (id)`.
+async fn one_connection_db(
+    d: Dialect,
+    label: &str,
+    ping_if_idle_for: std::time::Duration,
+) -> Option<TestDb> {
+    let options = nexuscrm_persistence::DbOptions::default()
+        .max_connections(1)
+        .ping_if_idle_for(ping_if_idle_for);
+    let t = TestDb::create_with(d, label, options).await?;
+    sqlx::query("CREATE TABLE p (id BIGINT PRIMARY KEY)")
+        .execute(t.db.pool())
+        .await
+        .unwrap();
+    Some(t)
+}
+
 async fn insert_row(db: &Db, id: i64) -> Result<(), WriteError> {
     let sql = match db.dialect() {
         Dialect::Postgres => "INSERT INTO p (id) VALUES ($1)",
@@ -715,25 +733,20 @@ async fn insert_row(db: &Db, id: i64) -> Result<(), WriteError> {
 /// (ping on every acquire) the dead connection is replaced before the write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recently_used_connection_that_died_fails_its_begin_as_not_committed() {
-    use nexuscrm_persistence::{DbOptions, PING_IF_IDLE_FOR};
+    use nexuscrm_persistence::PING_IF_IDLE_FOR;
     use std::time::Duration;
     assert_eq!(PING_IF_IDLE_FOR, Duration::from_secs(1));
     for d in [Dialect::Postgres, Dialect::Mysql] {
         for ping_every_time in [false, true] {
-            let mut options = DbOptions::default().max_connections(1);
-            if ping_every_time {
-                options = options.ping_if_idle_for(Duration::ZERO);
+            // An hour is long enough that no scheduling delay on a loaded machine reaches it.
+            let window = if ping_every_time {
+                Duration::ZERO
             } else {
-                // Long enough that no scheduling delay on a loaded machine reaches it.
-                options = options.ping_if_idle_for(Duration::from_secs(3600));
-            }
-            let Some(t) = TestDb::create_with(d, "deadconn", options).await else {
+                Duration::from_secs(3600)
+            };
+            let Some(t) = one_connection_db(d, "deadconn", window).await else {
                 return;
             };
-            sqlx::query("CREATE TABLE p (id BIGINT PRIMARY KEY)")
-                .execute(t.db.pool())
-                .await
-                .unwrap();
             kill_pooled_session(&t.db, &t.url).await;
             let first = insert_row(&t.db, 1).await;
             if ping_every_time {
@@ -768,19 +781,11 @@ async fn a_recently_used_connection_that_died_fails_its_begin_as_not_committed()
 /// `next_work_at` would leave the controller without its due timer until the backstop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_next_work_read_on_a_connection_that_died_runs_again_on_a_new_one() {
-    use nexuscrm_persistence::DbOptions;
     use std::time::Duration;
     for d in [Dialect::Postgres, Dialect::Mysql] {
-        let options = DbOptions::default()
-            .max_connections(1)
-            .ping_if_idle_for(Duration::from_secs(3600));
-        let Some(t) = TestDb::create_with(d, "deadread", options).await else {
+        let Some(t) = one_connection_db(d, "deadread", Duration::from_secs(3600)).await else {
             return;
         };
-        sqlx::query("CREATE TABLE p (id BIGINT PRIMARY KEY)")
-            .execute(t.db.pool())
-            .await
-            .unwrap();
         insert_row(&t.db, 7).await.unwrap();
         kill_pooled_session(&t.db, &t.url).await;
         let earliest = nexuscrm_persistence::support::earliest(&t.db, &["SELECT MIN(id) FROM p"])
