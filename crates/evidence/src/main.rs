@@ -82,6 +82,10 @@ struct Cli {
     /// default is the Runtime Worker's.
     #[arg(long, default_value_t = DEFAULT_CLAIMS_IN_FLIGHT)]
     claims_in_flight: usize,
+    /// Whether the tiny-job controller's attempts claim their successor in their disposition
+    /// (`Config::successor_handoff`; `--successor-handoff false` measures without it).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    successor_handoff: bool,
     /// Records the Formula View converges (a fresh process, then a running one).
     #[arg(long, default_value_t = 20_000)]
     formula_records: usize,
@@ -117,6 +121,8 @@ pub(crate) struct Plan {
     pub(crate) explain_rows: Vec<usize>,
     /// The controllers' `claims_in_flight`.
     pub(crate) claims_in_flight: std::num::NonZeroUsize,
+    /// The tiny-job controller's `successor_handoff`.
+    pub(crate) successor_handoff: bool,
 }
 
 /// The Runtime Worker's `claims_in_flight` for every family.
@@ -158,6 +164,7 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
         claims_in_flight: std::num::NonZeroUsize::new(cli.claims_in_flight)
             .filter(|n| n.get() <= 4)
             .ok_or("--claims-in-flight must be 1 to 4 (at most the smallest capacity)")?,
+        successor_handoff: cli.successor_handoff,
     };
     if cli.smoke {
         plan.idle = Duration::from_secs(3);

@@ -85,11 +85,12 @@ async fn replica(
     let stop = stop.clone();
     // The Runtime Worker's defaults: Bulk refills batch for up to 20 ms while attempts run;
     // Scheduled Flow's due timers are precise.
-    let (capacity, name, cooldown, precise) = match family {
-        Family::Bulk => (4, "bulk", Duration::from_millis(20), false),
-        Family::Flow => (8, "flow", Duration::ZERO, true),
+    // The tiny jobs' attempts claim their successor in their disposition (successor handoff).
+    let (capacity, name, cooldown, precise, handoff) = match family {
+        Family::Bulk => (4, "bulk", Duration::from_millis(20), false, false),
+        Family::Flow => (8, "flow", Duration::ZERO, true, false),
         // As the user wrote it: capacity 8, no cooldown.
-        Family::Tiny => (8, "tiny", Duration::ZERO, false),
+        Family::Tiny => (8, "tiny", Duration::ZERO, false, plan.successor_handoff),
     };
     macro_rules! start {
         ($source:expr, $set_waker:expr) => {{
@@ -103,7 +104,8 @@ async fn replica(
                             .capacity(NonZeroUsize::new(capacity).expect("> 0"))
                             .claim_cooldown(cooldown)
                             .claims_in_flight(plan.claims_in_flight)
-                            .precise_timers(precise),
+                            .precise_timers(precise)
+                            .successor_handoff(handoff),
                     )?;
                     ($set_waker)(ctl.waker());
                     let handle = ctl.handle();
@@ -173,6 +175,27 @@ async fn stop_all(replicas: Vec<Replica>, stop: &CancellationToken) -> (u64, u64
     let mut c = (0, 0, 0);
     for r in replicas {
         let _ = r.task.await;
+        if let Some(h) = &r.handle {
+            let s = h.snapshot();
+            eprintln!(
+                "    {}: {} claims ({} empty, {} full), {} handoffs ({} declined, {} empty, {} \
+                 successors), {} next_work_at, {} reconciliations{}",
+                s.name,
+                s.claim_calls,
+                s.claims_empty,
+                s.claims_full,
+                s.handoffs,
+                s.handoffs_declined,
+                s.handoffs_empty,
+                s.attempts_handed,
+                s.next_work_at_calls,
+                s.reconciles.total(),
+                s.poisoned
+                    .as_deref()
+                    .map(|p| format!("; poisoned: {p}"))
+                    .unwrap_or_default(),
+            );
+        }
         c.0 += r.counts.claim.load(Relaxed);
         c.1 += r.counts.empty_claims();
         c.2 += r.counts.claim_errors.load(Relaxed);

@@ -12,7 +12,7 @@ use std::num::NonZeroUsize;
 use std::time::SystemTime;
 
 use nexuscrm_persistence::Db;
-use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Source, SourceError};
+use nexuscrm_worker::{Attempt, AttemptError, ClaimBatch, Handed, Handoff, Source, SourceError};
 use tokio_util::sync::CancellationToken;
 
 use crate::AnyError;
@@ -33,6 +33,18 @@ const CLAIM: &str = "UPDATE tiny_job SET attempts = attempts + 1, \
      RETURNING id, attempts";
 
 const DONE: &str = "DELETE FROM tiny_job WHERE id = $1 AND attempts = $2";
+
+/// The disposition with the successor handoff: the same `DELETE` and the same claim (for the
+/// one slot it frees) in one statement, so one transaction.
+const DONE_AND_NEXT: &str = "WITH done AS (DELETE FROM tiny_job WHERE id = $1 AND attempts = $2), \
+     next AS (SELECT id FROM tiny_job \
+              WHERE available_at <= (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT \
+                AND id <> $1 \
+              ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1) \
+     UPDATE tiny_job t SET attempts = t.attempts + 1, \
+     available_at = (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT + 30000 \
+     FROM next WHERE t.id = next.id \
+     RETURNING t.id, t.attempts";
 
 /// Creates the table (if missing) and empties it.
 pub(crate) async fn reset(db: &Db) -> Result<(), AnyError> {
@@ -73,6 +85,21 @@ pub(crate) struct TinyAttempt {
     attempts: i32,
 }
 
+/// The attempts of claimed `(id, attempts)` rows.
+fn attempts(db: &Db, rows: Vec<(i64, i32)>) -> Vec<TinyAttempt> {
+    rows.into_iter()
+        .map(|(id, attempts)| TinyAttempt {
+            db: db.clone(),
+            id,
+            attempts,
+        })
+        .collect()
+}
+
+fn is_deadlock(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if matches!(d.code().as_deref(), Some("40P01" | "40001")))
+}
+
 fn source_error(e: sqlx::Error) -> SourceError {
     // A single statement in autocommit whose answer was lost may have committed.
     SourceError::new(e)
@@ -99,15 +126,10 @@ impl Source for TinySource {
             .fetch_all(self.db.pool())
             .await
             .map_err(source_error)?;
-        let attempts: Vec<TinyAttempt> = rows
-            .into_iter()
-            .map(|(id, attempts)| TinyAttempt {
-                db: self.db.clone(),
-                id,
-                attempts,
-            })
-            .collect();
-        Ok(nexuscrm_persistence::family::batch(attempts, capacity))
+        Ok(nexuscrm_persistence::family::batch(
+            attempts(&self.db, rows),
+            capacity,
+        ))
     }
 
     async fn next_work_at(
@@ -127,5 +149,42 @@ impl Attempt for TinyAttempt {
             .await
             .map(drop)
             .map_err(AttemptError::new)
+    }
+
+    /// With the handoff granted, the disposition claims the successor in the same statement.
+    async fn run_handing_off(
+        self,
+        mut handoff: Handoff,
+        cancel: CancellationToken,
+    ) -> Result<Handed<Self>, AttemptError> {
+        if !handoff.begin() {
+            self.run(cancel).await?;
+            return Ok(handoff.none());
+        }
+        let rows: Vec<(i64, i32)> = match sqlx::query_as(DONE_AND_NEXT)
+            .bind(self.id)
+            .bind(self.attempts)
+            .fetch_all(self.db.pool())
+            .await
+        {
+            Ok(rows) => rows,
+            // The statement both waits (its DELETE, behind a row lock another claim's `FOR
+            // UPDATE` left on a row that then failed its recheck) and holds locks (its claim),
+            // so two of them can deadlock: PostgreSQL rolls one back (40P01), a proven
+            // rollback. Dispose as without the handoff and take no successor.
+            Err(e) if is_deadlock(&e) => {
+                self.run(cancel).await?;
+                return Ok(handoff.none());
+            }
+            Err(e) => return Err(AttemptError::new(e)),
+        };
+        let next = attempts(&self.db, rows);
+        // A `LIMIT 1 … SKIP LOCKED` read racing with other claimers can come back empty while
+        // work remains: that says nothing about the queue, so it is no terminal answer (the
+        // controller's own claim, which is, refills the slot).
+        if next.is_empty() {
+            return Ok(handoff.none());
+        }
+        Ok(handoff.claimed(ClaimBatch::more(next)))
     }
 }

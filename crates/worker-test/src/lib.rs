@@ -67,7 +67,7 @@ pub use scripted::{
 /// `assert_calls!(source, claim = 3, next_work_at = 1, reconcile = 0)`.
 ///
 /// Names are the Source method names: `check_ready`, `generation`, `generation_changed`,
-/// `reconcile`, `claim`, `next_work_at`.
+/// `reconcile`, `claim`, `next_work_at`, and `handoff` (granted successor handoffs).
 #[macro_export]
 macro_rules! assert_calls {
     ($source:expr, $($op:ident = $n:expr),+ $(,)?) => {{

@@ -20,7 +20,7 @@ use std::time::{Duration, SystemTime};
 
 use nexuscrm_worker::{
     Attempt, AttemptError, BoxError, ClaimBatch, Config, Controller, ControllerHandle, Generation,
-    RunErrorKind, Snapshot, Source, SourceError,
+    Handed, Handoff, RunErrorKind, Snapshot, Source, SourceError,
 };
 use std::sync::OnceLock;
 use tokio::time::{Instant, sleep, timeout};
@@ -181,6 +181,8 @@ pub struct Counts {
     pub generation_errors: AtomicU64,
     /// Attempts that returned `Err` or panicked.
     pub attempts_failed: AtomicU64,
+    /// Successor attempts claimed by attempts' handoffs (not counted in `attempts`).
+    pub handed: AtomicU64,
     /// Every successful `claim`: (asked, returned, more), in call order.
     batches: Mutex<Vec<(usize, usize, bool)>>,
     /// Every Source call's name, in call order (`generation_changed` waits are not recorded:
@@ -532,6 +534,39 @@ impl<A: Attempt> Attempt for CountedAttempt<A> {
             counts.attempts_failed.fetch_add(1, SeqCst);
         }
         r
+    }
+
+    /// A passing attempt forwards the handoff to the wrapped attempt and wraps its successor
+    /// (counted in [`Counts::handed`]); a steered one runs as [`run`](Attempt::run) does and
+    /// claims nothing.
+    async fn run_handing_off(
+        self,
+        handoff: Handoff,
+        cancel: CancellationToken,
+    ) -> Result<Handed<Self>, AttemptError> {
+        if self.steer != Steer::Pass {
+            return self.run(cancel).await.map(|()| handoff.none());
+        }
+        let now = self.counts.in_flight.fetch_add(1, SeqCst) + 1;
+        self.counts.max_in_flight.fetch_max(now, SeqCst);
+        let _finish = Finish(self.counts.clone());
+        let counts = self.counts.clone();
+        let r = self.inner.run_handing_off(handoff, cancel).await;
+        match r {
+            Ok(handed) => Ok(handed.map(|inner| {
+                counts.handed.fetch_add(1, SeqCst);
+                CountedAttempt {
+                    inner,
+                    nth: 0,
+                    steer: Steer::Pass,
+                    counts: counts.clone(),
+                }
+            })),
+            Err(e) => {
+                counts.attempts_failed.fetch_add(1, SeqCst);
+                Err(e)
+            }
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use nexuscrm_worker::{
-    Attempt, AttemptError, ClaimBatch, Generation, Snapshot, Source, SourceError,
+    Attempt, AttemptError, ClaimBatch, Generation, Handed, Handoff, Snapshot, Source, SourceError,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -37,17 +37,21 @@ pub enum Op {
     Claim,
     /// `next_work_at`.
     NextWorkAt,
+    /// A granted successor handoff ([`Handoff::begin`] returned `true` in an attempt planned
+    /// with [`AttemptPlan::handing_off`]): a claim made by an attempt's disposition.
+    Handoff,
 }
 
 impl Op {
     /// Every operation.
-    pub const ALL: [Op; 6] = [
+    pub const ALL: [Op; 7] = [
         Op::CheckReady,
         Op::Generation,
         Op::GenerationChanged,
         Op::Reconcile,
         Op::Claim,
         Op::NextWorkAt,
+        Op::Handoff,
     ];
 
     /// The snake_case method name (`next_work_at`), as used by [`assert_calls!`](crate::assert_calls).
@@ -60,6 +64,7 @@ impl Op {
             Op::Reconcile => "reconcile",
             Op::Claim => "claim",
             Op::NextWorkAt => "next_work_at",
+            Op::Handoff => "handoff",
         }
     }
 
@@ -176,6 +181,7 @@ pub struct AttemptPlan {
     run_for: Duration,
     outcome: Outcome,
     ignore_cancel: bool,
+    hands_off: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,6 +200,7 @@ impl AttemptPlan {
             run_for,
             outcome: Outcome::Ok,
             ignore_cancel: false,
+            hands_off: false,
         }
     }
 
@@ -204,6 +211,7 @@ impl AttemptPlan {
             run_for,
             outcome: Outcome::Err,
             ignore_cancel: false,
+            hands_off: false,
         }
     }
 
@@ -215,6 +223,7 @@ impl AttemptPlan {
             run_for,
             outcome: Outcome::NotCommitted,
             ignore_cancel: false,
+            hands_off: false,
         }
     }
 
@@ -225,7 +234,18 @@ impl AttemptPlan {
             run_for,
             outcome: Outcome::Panic,
             ignore_cancel: false,
+            hands_off: false,
         }
+    }
+
+    /// When it finishes, asks for the successor handoff ([`Handoff::begin`]); if granted, its
+    /// disposition answers with the next queued handoff reply
+    /// ([`ScriptedSource::push_handoff`]), or declines ([`Handoff::none`]) when none is queued.
+    /// Refused (or cancelled), it finishes as without.
+    #[must_use]
+    pub const fn handing_off(mut self) -> Self {
+        self.hands_off = true;
+        self
     }
 
     /// Keeps running for the whole duration even when cancelled.
@@ -284,6 +304,9 @@ type ClaimFn = Arc<dyn Fn(usize) -> ClaimPlan + Send + Sync>;
 
 struct Script {
     check_ready: VecDeque<Step<()>>,
+    /// Replies of granted handoffs, and how long each disposition takes: `Some(plan)` claims
+    /// it, `None` declines.
+    handoff: VecDeque<(Option<ClaimPlan>, Duration)>,
     reconcile: VecDeque<Step<()>>,
     claim: VecDeque<Step<ClaimPlan>>,
     default_claim: Option<ClaimFn>,
@@ -302,6 +325,7 @@ struct Inner {
     calls: Mutex<Vec<Call>>,
     gen_notify: Notify,
     attempts_handed_out: AtomicU64,
+    successors_handed_out: AtomicU64,
     attempts_started: AtomicU64,
     attempts_finished: AtomicU64,
     attempts_released: AtomicU64,
@@ -354,6 +378,7 @@ impl ScriptedSource {
                 clock: Arc::new(PausedClock::new()),
                 script: Mutex::new(Script {
                     check_ready: VecDeque::new(),
+                    handoff: VecDeque::new(),
                     reconcile: VecDeque::new(),
                     claim: VecDeque::new(),
                     default_claim: None,
@@ -367,6 +392,7 @@ impl ScriptedSource {
                 calls: Mutex::new(Vec::new()),
                 gen_notify: Notify::new(),
                 attempts_handed_out: AtomicU64::new(0),
+                successors_handed_out: AtomicU64::new(0),
                 attempts_started: AtomicU64::new(0),
                 attempts_finished: AtomicU64::new(0),
                 attempts_released: AtomicU64::new(0),
@@ -404,6 +430,22 @@ impl ScriptedSource {
     pub fn push_claim(&self, step: Step<ClaimPlan>) -> &Self {
         lock(&self.inner.script).claim.push_back(step);
         self
+    }
+
+    /// Queues the reply of the next granted handoff (of an attempt planned with
+    /// [`AttemptPlan::handing_off`]): `Some(plan)` is the successor its disposition claimed
+    /// (at most one attempt, `more` or terminal), `None` declines ([`Handoff::none`]); the
+    /// disposition takes `takes` after the grant.
+    pub fn push_handoff(&self, reply: Option<ClaimPlan>, takes: Duration) -> &Self {
+        lock(&self.inner.script).handoff.push_back((reply, takes));
+        self
+    }
+
+    /// Successor attempts handed out by granted handoffs (not counted in
+    /// [`attempts_handed_out`](ScriptedSource::attempts_handed_out)).
+    #[must_use]
+    pub fn successors_handed_out(&self) -> u64 {
+        self.inner.successors_handed_out.load(SeqCst)
     }
 
     /// The claim answer when no reply is queued, computed from the capacity asked for.
@@ -580,11 +622,35 @@ impl ScriptedSource {
             "attempts claimed"
         );
         assert_eq!(
+            snap.attempts_handed,
+            self.successors_handed_out(),
+            "successors handed"
+        );
+        assert_eq!(snap.handoffs, n(Op::Handoff), "handoffs");
+        assert_eq!(
             snap.attempts_completed,
             self.attempts_finished(),
             "attempts completed"
         );
         assert_eq!(snap.in_flight, self.in_flight(), "in flight");
+    }
+
+    /// A scripted answer's attempts as a batch, counted in `handed_out`.
+    fn batch(&self, plan: ClaimPlan, handed_out: &AtomicU64) -> ClaimBatch<ScriptedAttempt> {
+        handed_out.fetch_add(plan.attempts.len() as u64, SeqCst);
+        let attempts = plan
+            .attempts
+            .into_iter()
+            .map(|plan| ScriptedAttempt {
+                plan,
+                source: self.clone(),
+            })
+            .collect();
+        if plan.more {
+            ClaimBatch::more(attempts)
+        } else {
+            ClaimBatch::done(attempts)
+        }
     }
 
     fn record(&self, op: Op, capacity: Option<usize>) {
@@ -674,22 +740,7 @@ impl Source for ScriptedSource {
             }
         };
         let plan = self.play(step, &cancel).await?;
-        self.inner
-            .attempts_handed_out
-            .fetch_add(plan.attempts.len() as u64, SeqCst);
-        let attempts = plan
-            .attempts
-            .into_iter()
-            .map(|plan| ScriptedAttempt {
-                plan,
-                source: self.clone(),
-            })
-            .collect();
-        Ok(if plan.more {
-            ClaimBatch::more(attempts)
-        } else {
-            ClaimBatch::done(attempts)
-        })
+        Ok(self.batch(plan, &self.inner.attempts_handed_out))
     }
 
     async fn next_work_at(
@@ -767,6 +818,29 @@ impl Drop for InFlightGuard<'_> {
 }
 
 impl Attempt for ScriptedAttempt {
+    async fn run_handing_off(
+        self,
+        mut handoff: Handoff,
+        cancel: CancellationToken,
+    ) -> Result<Handed<Self>, AttemptError> {
+        let source = self.source.clone();
+        let hands_off = self.plan.hands_off;
+        self.run(cancel).await?;
+        if !hands_off || !handoff.begin() {
+            return Ok(handoff.none());
+        }
+        source.record(Op::Handoff, Some(1));
+        let (reply, takes) = lock(&source.inner.script)
+            .handoff
+            .pop_front()
+            .unwrap_or((None, Duration::ZERO));
+        tokio::time::sleep(takes).await;
+        let Some(plan) = reply else {
+            return Ok(handoff.none());
+        };
+        Ok(handoff.claimed(source.batch(plan, &source.inner.successors_handed_out)))
+    }
+
     async fn run(self, cancel: CancellationToken) -> Result<(), AttemptError> {
         let inner = &*self.source.inner;
         inner.attempts_started.fetch_add(1, SeqCst);

@@ -28,6 +28,7 @@ pub struct Config {
     pub(crate) claim_cooldown: Duration,
     pub(crate) claims_in_flight: NonZeroUsize,
     pub(crate) precise_timers: bool,
+    pub(crate) successor_handoff: bool,
     pub(crate) clock: Arc<dyn Clock>,
 }
 
@@ -43,6 +44,7 @@ impl fmt::Debug for Config {
             .field("claim_cooldown", &self.claim_cooldown)
             .field("claims_in_flight", &self.claims_in_flight)
             .field("precise_timers", &self.precise_timers)
+            .field("successor_handoff", &self.successor_handoff)
             .field("clock", &self.clock)
             .finish()
     }
@@ -71,6 +73,7 @@ impl Config {
             claim_cooldown: Duration::ZERO,
             claims_in_flight: NonZeroUsize::MIN,
             precise_timers: false,
+            successor_handoff: false,
             clock: Arc::new(SystemClock),
         }
     }
@@ -170,6 +173,30 @@ impl Config {
     pub fn precise_timers(mut self, precise: bool) -> Self {
         self.precise_timers = precise;
         self
+    }
+
+    /// Whether a finishing attempt may claim its successor in its own disposition
+    /// ([`Attempt::run_handing_off`](crate::Attempt::run_handing_off)). By default off.
+    ///
+    /// The offer ([`Handoff`](crate::Handoff)) is granted only under a standing continuation
+    /// (the latest claim answer was `more` and no terminal answer came since), with no
+    /// reconciliation asked for and the run not stopping; the successor takes the slot its
+    /// attempt frees, so attempts in flight never exceed the capacity. A begun handoff is a
+    /// claim in flight: reconciliation waits for it, a terminal answer (from a claim or a
+    /// handoff) closes the offer at once, and only the last outstanding answer reads
+    /// `next_work_at`. On a busy queue of short jobs each slot then needs one round trip per
+    /// item instead of a disposition plus a share of a claim. Sources whose attempts keep the
+    /// default `run_handing_off` are unaffected.
+    #[must_use]
+    pub fn successor_handoff(mut self, on: bool) -> Self {
+        self.successor_handoff = on;
+        self
+    }
+
+    /// Whether [`successor_handoff`](Config::successor_handoff) is on.
+    #[must_use]
+    pub fn get_successor_handoff(&self) -> bool {
+        self.successor_handoff
     }
 
     /// Whether [`precise_timers`](Config::precise_timers) is on.

@@ -15,6 +15,7 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError};
+use crate::handoff::{Handed, Handoff, HandoffGate};
 use crate::snapshot::{Counters, ReconcileCause, Snapshot, bump};
 use crate::source::{Attempt, AttemptError, BoxError, ClaimBatch, Generation, Source, SourceError};
 
@@ -513,7 +514,13 @@ struct Run<S: Source> {
     config: Config,
     shared: Arc<Shared>,
     stop: CancellationToken,
-    attempts: JoinSet<Result<(), AttemptError>>,
+    attempts: JoinSet<Result<Handed<S::Attempt>, AttemptError>>,
+    /// The successor-handoff offer: open only under a standing continuation, with no
+    /// reconciliation asked for, while not stopping, and only when the config turns it on.
+    gate: Arc<HandoffGate>,
+    /// A terminal answer came while other claims or begun handoffs were outstanding: the
+    /// `next_work_at` read waits for the last of them (a `more` answer cancels it).
+    read_pending: bool,
     /// Claims in flight, each answering with the slots it reserved and when it was issued.
     claims: JoinSet<ClaimDone<S::Attempt>>,
     /// Slots asked by the claims in flight: attempts plus these never exceed the capacity.
@@ -562,6 +569,8 @@ impl<S: Source> Run<S> {
             shared: c.shared.clone(),
             stop: cancel.child_token(),
             attempts: JoinSet::new(),
+            gate: Arc::new(HandoffGate::new(c.config.clock.clone())),
+            read_pending: false,
             claims: JoinSet::new(),
             reserved: 0,
             continuation: false,
@@ -606,6 +615,7 @@ impl<S: Source> Run<S> {
     }
 
     fn begin_stop(&mut self) {
+        self.gate.set_open(false);
         self.stop.cancel();
         if self.deadline.is_none() {
             self.deadline = Some(Instant::now() + self.config.shutdown_timeout);
@@ -688,11 +698,14 @@ impl<S: Source> Run<S> {
             .store(self.attempts.len() + self.abandoned, Relaxed);
     }
 
-    fn on_attempt_done(&mut self, done: Result<Result<(), AttemptError>, JoinError>) {
+    fn on_attempt_done(
+        &mut self,
+        done: Result<Result<Handed<S::Attempt>, AttemptError>, JoinError>,
+    ) {
         bump(&self.counters().attempts_completed);
         self.sync_in_flight();
         match done {
-            Ok(Ok(())) => {}
+            Ok(Ok(handed)) => self.on_handed(handed),
             Ok(Err(e)) if e.is_not_committed() => {
                 bump(&self.counters().attempts_failed);
                 // Proven not committed: the item is still leased and returns when its lease
@@ -727,6 +740,116 @@ impl<S: Source> Run<S> {
                 );
             }
         }
+    }
+
+    /// An attempt's handoff answer: nothing, or the successor its disposition claimed for the
+    /// slot it freed (a claim answer, under the same rules).
+    fn on_handed(&mut self, handed: Handed<S::Attempt>) {
+        let Handed { began, batch } = handed;
+        let Some(began) = began else {
+            if batch.is_some() {
+                // Fail closed: run none of them; their leases return them to the queue.
+                drop(batch);
+                self.fail(
+                    RunErrorKind::ContractViolation,
+                    Some("handoff"),
+                    "an attempt returned a successor without a granted handoff".into(),
+                    None,
+                );
+            }
+            return;
+        };
+        self.gate.answered();
+        bump(&self.counters().handoffs);
+        let Some(batch) = batch else {
+            // Begun, but nothing claimed and nothing said about the queue (the source could
+            // not take a successor just now): not an answer. The slot is free, and under a
+            // standing continuation the controller's own claim refills it.
+            bump(&self.counters().handoffs_declined);
+            return;
+        };
+        let (attempts, more) = batch.into_parts();
+        if attempts.len() > 1 {
+            let n = attempts.len();
+            drop(attempts);
+            return self.fail(
+                RunErrorKind::ContractViolation,
+                Some("handoff"),
+                format!("a handoff returned {n} successors for the one slot it frees"),
+                None,
+            );
+        }
+        if more && attempts.is_empty() {
+            return self.fail(
+                RunErrorKind::ContractViolation,
+                Some("handoff"),
+                "a handoff returned no successor but requested continuation".into(),
+                None,
+            );
+        }
+        if attempts.is_empty() {
+            bump(&self.counters().handoffs_empty);
+        }
+        self.counters()
+            .attempts_handed
+            .fetch_add(attempts.len() as u64, Relaxed);
+        for attempt in attempts {
+            self.spawn_attempt(attempt);
+        }
+        self.sync_in_flight();
+        if self.claim_started.is_none_or(|c| c < began) {
+            self.claim_started = Some(began);
+        }
+        self.claim_was_due_reclaim = false;
+        self.answer(more);
+    }
+
+    /// A claim or handoff answer's continuation flag: `more` keeps the continuation standing;
+    /// a terminal answer ends it at once and asks for one `next_work_at` read once nothing is
+    /// outstanding (returns whether that is now).
+    fn answer(&mut self, more: bool) -> bool {
+        if more {
+            self.continuation = true;
+            self.claim_pending = true;
+            self.claim_was_due_reclaim = false;
+            self.read_pending = false;
+            false
+        } else {
+            // The latest answer is terminal: it supersedes an earlier continuation.
+            self.continuation = false;
+            self.claim_pending = false;
+            self.gate.set_open(false);
+            self.read_pending = !self.stop.is_cancelled();
+            self.read_pending && self.is_idle()
+        }
+    }
+
+    /// No claim is in flight: neither a claim of ours nor a begun handoff.
+    fn is_idle(&self) -> bool {
+        self.claims.is_empty() && self.gate.outstanding() == 0
+    }
+
+    fn spawn_attempt(&mut self, attempt: S::Attempt) {
+        // After cancellation the token is already cancelled: the attempt releases its claim.
+        let timed = Timed {
+            shared: self.shared.clone(),
+            began: Instant::now(),
+        };
+        let token = self.stop.clone();
+        let handoff = if self.config.successor_handoff {
+            Handoff::offered(self.gate.clone())
+        } else {
+            Handoff::refused()
+        };
+        let run = traced!(
+            attempt.run_handing_off(handoff, token),
+            "attempt",
+            family = %self.shared.name
+        );
+        self.attempts.spawn(async move {
+            let _timed = timed;
+            run.await
+        });
     }
 
     /// Runs one Source operation on its own task and awaits it to completion, processing attempt
@@ -804,11 +927,25 @@ impl<S: Source> Run<S> {
             if self.stop.is_cancelled() {
                 return;
             }
-            // Everything but a continuation waits for the claims in flight: their answers
-            // decide what comes next (reconciliation before another claim turn, one
-            // `next_work_at` after the last terminal answer).
-            let idle = self.claims.is_empty();
-            if idle && let Some(cause) = self.take_reconcile_cause() {
+            // The handoff offer stands only under a standing continuation with no
+            // reconciliation asked for; once closed, the begun handoffs only go down.
+            let offer =
+                self.config.successor_handoff && self.continuation && !self.reconcile_wanted();
+            self.gate.set_open(offer);
+            // Everything but a continuation waits for the claims in flight (ours and begun
+            // handoffs): their answers decide what comes next (reconciliation before another
+            // claim turn, one `next_work_at` after the last terminal answer).
+            let idle = self.is_idle();
+            if idle && self.read_pending {
+                self.read_pending = false;
+                self.next_work_at().await;
+                continue;
+            }
+            // A reconciliation never runs beside a claim: not while handoffs may begin.
+            if idle
+                && !offer
+                && let Some(cause) = self.take_reconcile_cause()
+            {
                 self.reconcile(cause).await;
                 continue;
             }
@@ -834,6 +971,10 @@ impl<S: Source> Run<S> {
             };
             let wanted = if idle {
                 self.claim_pending
+            } else if self.claims.is_empty() {
+                // Only begun handoffs are outstanding (claims under the standing
+                // continuation): a slot they left free is refilled under the same authority.
+                self.claim_pending && self.continuation && !self.reconcile_wanted()
             } else {
                 // Beside a claim in flight: only under a standing continuation, below the
                 // in-flight bound, with no reconciliation waiting, and for at least a fair share
@@ -862,7 +1003,7 @@ impl<S: Source> Run<S> {
             tokio::select! {
                 biased;
                 () = self.stop.cancelled() => return,
-                Some(done) = self.claims.join_next(), if !idle => {
+                Some(done) = self.claims.join_next(), if !self.claims.is_empty() => {
                     self.on_claim_done(done).await;
                 }
                 () = sleep_until(cooldown_end.unwrap_or_else(Instant::now)), if cooldown_end.is_some() => {}
@@ -1025,30 +1166,12 @@ impl<S: Source> Run<S> {
             bump(&self.counters().claims_full);
         }
         for attempt in attempts {
-            // After cancellation the token is already cancelled: the attempt releases its claim.
-            let timed = Timed {
-                shared: self.shared.clone(),
-                began: Instant::now(),
-            };
-            let token = self.stop.clone();
-            let run = traced!(attempt.run(token), "attempt", family = %self.shared.name);
-            self.attempts.spawn(async move {
-                let _timed = timed;
-                run.await
-            });
+            self.spawn_attempt(attempt);
         }
         self.sync_in_flight();
-        if more {
-            self.continuation = true;
-            self.claim_pending = true;
-            self.claim_was_due_reclaim = false;
-        } else {
-            // The latest answer is terminal: it supersedes an earlier continuation.
-            self.continuation = false;
-            self.claim_pending = false;
-            if self.claims.is_empty() && !self.stop.is_cancelled() {
-                self.next_work_at().await;
-            }
+        if self.answer(more) {
+            self.read_pending = false;
+            self.next_work_at().await;
         }
     }
 

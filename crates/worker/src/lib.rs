@@ -162,6 +162,7 @@ mod clock;
 mod config;
 mod controller;
 pub mod fault;
+mod handoff;
 mod snapshot;
 mod source;
 
@@ -171,6 +172,7 @@ pub use config::{Config, ConfigError};
 pub use controller::{
     Controller, ControllerHandle, PRECISE_TIMER_LEAD, RunError, RunErrorKind, Waker,
 };
+pub use handoff::{Handed, Handoff};
 pub use snapshot::{
     ATTEMPT_DURATION_BOUNDS, CLAIM_BATCH_BOUNDS, CLAIM_LATENCY_BOUNDS, ClaimLatency,
     DUE_LATENESS_BOUNDS, Histogram, HistogramUnit, ReconcileCause, ReconcileCounts, Snapshot,

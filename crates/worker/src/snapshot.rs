@@ -296,6 +296,15 @@ pub struct Snapshot {
     pub due_lateness: Histogram,
     /// Attempts returned by `claim`.
     pub attempts_claimed: u64,
+    /// Begun successor handoffs answered ([`Config::successor_handoff`](crate::Config::successor_handoff)).
+    pub handoffs: u64,
+    /// Begun handoffs answered with an empty terminal batch (the queue ran dry).
+    pub handoffs_empty: u64,
+    /// Begun handoffs answered with [`Handoff::none`](crate::Handoff::none): no successor and
+    /// no answer about the queue; the freed slot is refilled by a claim.
+    pub handoffs_declined: u64,
+    /// Successor attempts claimed by handoffs (not counted in `attempts_claimed`).
+    pub attempts_handed: u64,
     /// Attempts that returned (`Ok`, `Err` or panic).
     pub attempts_completed: u64,
     /// Attempts that returned `Err` or panicked.
@@ -353,6 +362,10 @@ pub(crate) struct Counters {
     pub(crate) attempt_duration: AtomicHistogram<AttemptDuration>,
     pub(crate) due_lateness: AtomicHistogram<DueLateness>,
     pub(crate) attempts_claimed: AtomicU64,
+    pub(crate) handoffs: AtomicU64,
+    pub(crate) handoffs_empty: AtomicU64,
+    pub(crate) handoffs_declined: AtomicU64,
+    pub(crate) attempts_handed: AtomicU64,
     pub(crate) attempts_completed: AtomicU64,
     pub(crate) attempts_failed: AtomicU64,
     pub(crate) next_work_at_calls: AtomicU64,
@@ -434,6 +447,10 @@ impl Counters {
             attempt_duration: self.attempt_duration.read(),
             due_lateness: self.due_lateness.read(),
             attempts_claimed: l(&self.attempts_claimed),
+            handoffs: l(&self.handoffs),
+            handoffs_empty: l(&self.handoffs_empty),
+            handoffs_declined: l(&self.handoffs_declined),
+            attempts_handed: l(&self.attempts_handed),
             attempts_completed: l(&self.attempts_completed),
             attempts_failed: l(&self.attempts_failed),
             next_work_at_calls: l(&self.next_work_at_calls),

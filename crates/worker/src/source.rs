@@ -8,6 +8,8 @@ use std::time::SystemTime;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::handoff::{Handed, Handoff};
+
 /// Boxed error type carried inside [`SourceError`] and [`AttemptError`].
 pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 
@@ -188,6 +190,33 @@ pub trait Attempt: Send + 'static {
         self,
         cancel: CancellationToken,
     ) -> impl Future<Output = Result<(), AttemptError>> + Send;
+
+    /// Runs the attempt like [`run`](Attempt::run), and may claim its successor in its own
+    /// disposition: what the controller calls. The default runs [`run`](Attempt::run) and claims
+    /// nothing.
+    ///
+    /// A source whose disposition is one small transaction can fold the next claim into it
+    /// (successor handoff, [`Config::successor_handoff`](crate::Config::successor_handoff)):
+    /// call [`Handoff::begin`] right before the disposition; if it returns `true`, the same
+    /// transaction may claim at most one successor (the slot this attempt frees), returned with
+    /// [`Handoff::claimed`], `more` when more work is immediately eligible, terminal when not.
+    /// Otherwise dispose as `run` does and return [`Handoff::none`]. The successor is a claim:
+    /// the same eligibility, the same ownership transition, the same fence.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`run`](Attempt::run). Once `cancel` fires, `begin` returns `false`.
+    fn run_handing_off(
+        self,
+        handoff: Handoff,
+        cancel: CancellationToken,
+    ) -> impl Future<Output = Result<Handed<Self>, AttemptError>> + Send
+    where
+        Self: Sized,
+    {
+        let run = self.run(cancel);
+        async move { run.await.map(|()| handoff.none()) }
+    }
 }
 
 /// The answer to one `claim`: claimed attempts and whether to continue at once.

@@ -1416,3 +1416,143 @@ fn claims_in_flight_above_the_capacity_is_refused() {
         .is_ok()
     );
 }
+
+/// Two slots; the first claim fills both with attempts that ask for the successor handoff.
+fn handoff_script(src: &ScriptedSource) {
+    let ms = Duration::from_millis;
+    src.push_claim(Step::ok(ClaimPlan::more(vec![
+        AttemptPlan::ok(ms(10)).handing_off(),
+        AttemptPlan::ok(ms(20)).handing_off(),
+    ])));
+    // The first granted handoff (10 ms) takes a successor and says more may follow; the
+    // second (20 ms) finds the queue empty: a terminal answer.
+    src.push_handoff(
+        Some(ClaimPlan::more(vec![AttemptPlan::ok(ms(15)).handing_off()])),
+        Duration::ZERO,
+    );
+    src.push_handoff(Some(ClaimPlan::empty()), Duration::ZERO);
+}
+
+#[tokio::test(start_paused = true)]
+async fn successor_handoffs_refill_freed_slots_without_a_claim_and_a_terminal_one_reads_next_work_at_once()
+ {
+    let ms = Duration::from_millis;
+    // Off (the default): no handoff is ever granted; the slot freed at 10 ms is refilled by a
+    // claim under the standing continuation, whose empty answer reads `next_work_at`.
+    let src = ScriptedSource::new();
+    handoff_script(&src);
+    let r = start_with(&src, config(&src).capacity(nz(2)));
+    sleep(SEC).await;
+    settle().await;
+    assert_eq!(src.times(Op::Claim), vec![ms(0), ms(10)]);
+    assert_calls!(src, claim = 2, handoff = 0, next_work_at = 1);
+    src.assert_snapshot_agrees(&r.handle.snapshot());
+    assert!(r.stop().await.is_ok());
+
+    // On: the attempt finishing at 10 ms claims its successor in its disposition (granted:
+    // the first claim's `more` stands), so no claim runs. The handoff at 20 ms answers
+    // terminal: the offer closes at once, `next_work_at` is read once, and the successor
+    // finishing at 25 ms is not granted a handoff (no standing continuation).
+    let src = ScriptedSource::new();
+    handoff_script(&src);
+    let r = start_with(&src, config(&src).capacity(nz(2)).successor_handoff(true));
+    sleep(SEC).await;
+    settle().await;
+    assert_eq!(src.times(Op::Claim), vec![ms(0)]);
+    assert_eq!(src.times(Op::Handoff), vec![ms(10), ms(20)]);
+    assert_eq!(src.times(Op::NextWorkAt), vec![ms(20)]);
+    assert_calls!(src, claim = 1, handoff = 2, next_work_at = 1);
+    assert_eq!(src.over_capacity(), 0);
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.handoffs, 2);
+    assert_eq!(snap.handoffs_empty, 1);
+    assert_eq!(snap.attempts_handed, 1);
+    assert_eq!(snap.attempts_completed, 3);
+    src.assert_snapshot_agrees(&snap);
+    // Idle now: nothing without a new fact.
+    sleep(10 * SEC).await;
+    assert_calls!(src, claim = 1, handoff = 2, next_work_at = 1);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reconcile_request_closes_the_handoff_offer_and_waits_for_a_begun_handoff() {
+    let ms = Duration::from_millis;
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::more(vec![
+        AttemptPlan::ok(ms(10)).handing_off(),
+    ])));
+    // Granted at 10 ms, the disposition takes 20 ms and claims a successor; the successor's
+    // own handoff (40 ms) has no reply queued: it declines, saying nothing about the queue.
+    src.push_handoff(
+        Some(ClaimPlan::more(vec![AttemptPlan::ok(ms(10)).handing_off()])),
+        ms(20),
+    );
+    let r = start_with(&src, config(&src).capacity(nz(1)).successor_handoff(true));
+    sleep(ms(15)).await;
+    r.handle.request_reconcile();
+    sleep(SEC).await;
+    settle().await;
+    // The reconciliation waits for the begun handoff (a claim in flight) and runs when it
+    // answers (30 ms). Its `more` still stands after it, so the successor's handoff at 40 ms
+    // is granted; its decline frees the slot, which the controller's own claim (due to the
+    // reconciliation) refills; that claim's empty answer reads `next_work_at`.
+    assert_eq!(src.times(Op::Reconcile), vec![ms(0), ms(30)]);
+    assert_eq!(src.times(Op::Handoff), vec![ms(10), ms(40)]);
+    assert_eq!(src.times(Op::Claim), vec![ms(0), ms(40)]);
+    assert_eq!(src.times(Op::NextWorkAt), vec![ms(40)]);
+    let snap = r.handle.snapshot();
+    assert_eq!(snap.handoffs_declined, 1);
+    assert_eq!(snap.attempts_handed, 1);
+    src.assert_snapshot_agrees(&snap);
+    assert!(r.stop().await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancellation_waits_for_a_begun_handoff_and_its_successor_releases() {
+    let ms = Duration::from_millis;
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::more(vec![
+        AttemptPlan::ok(ms(10)).handing_off(),
+    ])));
+    src.push_handoff(
+        Some(ClaimPlan::more(vec![
+            AttemptPlan::ok(ms(100)).handing_off(),
+        ])),
+        ms(20),
+    );
+    let r = start_with(&src, config(&src).capacity(nz(1)).successor_handoff(true));
+    sleep(ms(15)).await;
+    let stopping = tokio::time::Instant::now();
+    let outcome = r.stop().await;
+    // The begun disposition (10 to 30 ms) is awaited, never dropped; its successor starts
+    // with the cancelled token, releases at once, and is granted no handoff of its own.
+    assert_eq!(stopping.elapsed(), ms(15));
+    assert!(outcome.is_ok(), "{:?}", outcome.err());
+    assert_calls!(src, claim = 1, handoff = 1, next_work_at = 0);
+    let snap = outcome.unwrap().handle().snapshot();
+    assert_eq!(snap.attempts_handed, 1);
+    assert_eq!(snap.attempts_completed, 2);
+    assert_eq!(snap.in_flight, 0);
+    src.assert_snapshot_agrees(&snap);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handoff_with_more_than_one_successor_fails_closed_and_poisons() {
+    let ms = Duration::from_millis;
+    let src = ScriptedSource::new();
+    src.push_claim(Step::ok(ClaimPlan::more(vec![
+        AttemptPlan::ok(ms(10)).handing_off(),
+    ])));
+    src.push_handoff(
+        Some(ClaimPlan::more(vec![AttemptPlan::ok(ms(10)); 2])),
+        Duration::ZERO,
+    );
+    let r = start_with(&src, config(&src).capacity(nz(1)).successor_handoff(true));
+    let err = r.task.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), RunErrorKind::ContractViolation);
+    assert_eq!(err.operation(), Some("handoff"));
+    assert!(err.is_poisoned());
+    assert!(err.to_string().contains("2 successors"), "{err}");
+    assert_eq!(src.attempts_started(), 1, "neither successor ran");
+}
