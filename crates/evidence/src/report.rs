@@ -391,12 +391,16 @@ impl Report {
              the same `Source::claim` and running the same attempt, claiming again at once \
              while claims return work, and sleeping {} ms only after an empty claim. \
              Controllers: the Runtime Worker's settings, {} claim(s) in flight at once \
-             (`claims_in_flight`; `--claims-in-flight` sets it). \
+             (`claims_in_flight`; `--claims-in-flight` sets it); the tiny-job controller's \
+             successor handoff {} (`Config::successor_handoff`: a finishing attempt's one \
+             statement deletes its job and claims the next for its slot; \
+             `--successor-handoff` sets it; the poller runs the plain attempt). \
              Utility statements (BEGIN, COMMIT) count as statements.\n",
             self.cores,
             self.postgres,
             p.poll.as_millis(),
-            p.claims_in_flight
+            p.claims_in_flight,
+            if p.successor_handoff { "on" } else { "off" }
         );
         out.push_str("## Summary\n\n");
         out.push_str(&self.summary());
@@ -644,6 +648,7 @@ impl Report {
         v["workload"] = json!({
             "poll_ms": self.plan.poll.as_millis() as u64,
             "claims_in_flight": self.plan.claims_in_flight.get(),
+            "successor_handoff": self.plan.successor_handoff,
             "idle_secs": self.plan.idle.as_secs_f64(),
             "drain_rows": self.plan.drain_rows,
             "tiny_jobs": self.plan.tiny_jobs,

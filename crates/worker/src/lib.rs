@@ -11,7 +11,8 @@
 //! - [`Source`]: check_ready, reconcile, claim(capacity), next_work_at, optional generation probe.
 //!   The domain store owns every durable fact.
 //! - [`ClaimBatch`] ([`ClaimBatch::more`] / [`ClaimBatch::done`]) and [`Attempt`]: one
-//!   already-claimed heartbeat/effect/disposition lifecycle.
+//!   already-claimed heartbeat/effect/disposition lifecycle; [`Handoff`] lets a disposition
+//!   claim its successor ([`Config::successor_handoff`]).
 //! - [`SourceError`] (outcome unknown by default, [`SourceError::not_committed`] only when proven)
 //!   and [`AttemptError`] (always process-fatal).
 //! - [`Controller`], [`Config`], [`ControllerHandle`], [`Snapshot`], [`RunError`].
@@ -123,6 +124,7 @@
 //! | `Wake` | [`Waker::wake`] | Coalesced process-local claim hint | Durable work, reconciliation, or delivery |
 //! | periodic reconciliation | [`Config::reconcile_interval`] | Bounded liveness backstop | A business-queue polling cadence |
 //! | `Attempt.Run` | [`Attempt::run`] | Executes an already-claimed attempt; `Err`/panic is fatal | Replay safety after a non-`Ok` result |
+//! | successor handoff (optional) | [`Attempt::run_handing_off`], [`Handoff`], [`Config::successor_handoff`] | A claim folded into a disposition, granted only under a standing continuation, for the one slot it frees; counted as a claim in flight | That the source's folded statement has the claim's eligibility and fence |
 //!
 //! Controller tests prove process-local ordering, capacity, fail-stop behaviour and Source-call
 //! budgets. They cannot prove database atomicity, distributed claim uniqueness, durable recovery,

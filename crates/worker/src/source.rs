@@ -205,7 +205,9 @@ pub trait Attempt: Send + 'static {
     ///
     /// # Cancel safety
     ///
-    /// As for [`run`](Attempt::run). Once `cancel` fires, `begin` returns `false`.
+    /// As for [`run`](Attempt::run). Once the controller begins to stop, `begin` returns
+    /// `false`; a disposition granted just before is awaited like any attempt, and its
+    /// successor runs with the cancelled token (it releases its claim).
     fn run_handing_off(
         self,
         handoff: Handoff,
