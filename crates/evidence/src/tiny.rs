@@ -188,3 +188,167 @@ impl Attempt for TinyAttempt {
         Ok(handoff.claimed(ClaimBatch::more(next)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroUsize;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use nexuscrm_persistence::Dialect;
+    use nexuscrm_persistence::sqlx::{self, AnyConnection, Connection, Executor};
+    use nexuscrm_persistence::testing::TestDb;
+    use nexuscrm_worker::{ClaimBatch, Config, Controller, Source, SourceError};
+    use tokio::sync::Mutex;
+    use tokio_util::sync::CancellationToken;
+
+    use super::{TinyAttempt, TinySource, reset, submit};
+
+    /// The tiny Source, except that its first claim, once it returned, has connection `other`
+    /// take job 1's row lock (as a claimer whose `FOR UPDATE` recheck failed would): the
+    /// claimed attempt's disposition then waits on it.
+    struct LockAfterFirstClaim {
+        inner: TinySource,
+        other: Arc<Mutex<Option<AnyConnection>>>,
+    }
+
+    impl Source for LockAfterFirstClaim {
+        type Attempt = TinyAttempt;
+
+        async fn check_ready(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+            self.inner.check_ready(cancel).await
+        }
+
+        async fn reconcile(&self, cancel: CancellationToken) -> Result<(), SourceError> {
+            self.inner.reconcile(cancel).await
+        }
+
+        async fn claim(
+            &self,
+            capacity: NonZeroUsize,
+            cancel: CancellationToken,
+        ) -> Result<ClaimBatch<TinyAttempt>, SourceError> {
+            let batch = self.inner.claim(capacity, cancel).await?;
+            let mut other = self.other.lock().await;
+            if let Some(conn) = other.as_mut()
+                && !conn.is_in_transaction()
+            {
+                conn.execute("BEGIN").await.map_err(SourceError::new)?;
+                conn.execute("SELECT id FROM tiny_job WHERE id = 1 FOR UPDATE")
+                    .await
+                    .map_err(SourceError::new)?;
+            }
+            Ok(batch)
+        }
+
+        async fn next_work_at(
+            &self,
+            cancel: CancellationToken,
+        ) -> Result<Option<std::time::SystemTime>, SourceError> {
+            self.inner.next_work_at(cancel).await
+        }
+    }
+
+    async fn lock_waiters(db: &nexuscrm_persistence::Db) -> i64 {
+        sqlx::query_scalar(
+            "SELECT COUNT(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(db.pool())
+        .await
+        .expect("pg_stat_activity")
+    }
+
+    /// Two handoff statements can deadlock (each holds the successor it claimed and waits for
+    /// the row it deletes). The one PostgreSQL rolls back (40P01) must dispose with the plain
+    /// `DELETE` and claim nothing: no attempt error (which would stop the worker), no job lost
+    /// or run twice. Here the deadlock is made on purpose: job 1's attempt claims job 2 and
+    /// waits for job 1's row, which another transaction holds and which then asks for job 2's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handoff_rolled_back_by_a_deadlock_disposes_plainly_and_loses_nothing() {
+        let Some(t) = TestDb::create(Dialect::Postgres, "tiny_deadlock").await else {
+            return;
+        };
+        let db = t.db.clone();
+        reset(&db).await.unwrap();
+        submit(&db, 3).await.unwrap();
+        let mut other = AnyConnection::connect(db.connect_url()).await.unwrap();
+        // The attempt's deadlock check fires first (the server's 1 s default), so it is the
+        // one rolled back, not this transaction.
+        other.execute("SET deadlock_timeout = '60s'").await.unwrap();
+        let other = Arc::new(Mutex::new(Some(other)));
+        let source = LockAfterFirstClaim {
+            inner: TinySource { db: db.clone() },
+            other: other.clone(),
+        };
+        let ctl = Controller::new(
+            source,
+            Config::new("tiny")
+                .capacity(NonZeroUsize::new(1).unwrap())
+                .successor_handoff(true),
+        )
+        .unwrap();
+        let handle = ctl.handle();
+        let stop = CancellationToken::new();
+        let run = tokio::spawn({
+            let stop = stop.clone();
+            async move { ctl.run(stop).await }
+        });
+        // Job 1's handoff statement has claimed job 2 and waits for job 1's row.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while lock_waiters(&db).await == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "no attempt waited");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Close the cycle: this waits for job 2's row until the attempt's statement is rolled
+        // back; its claim of job 2 went with it.
+        let attempts: i32 = {
+            let mut guard = other.lock().await;
+            let conn = guard.as_mut().unwrap();
+            let row: (i32,) =
+                sqlx::query_as("SELECT attempts FROM tiny_job WHERE id = 2 FOR UPDATE")
+                    .fetch_one(&mut *conn)
+                    .await
+                    .unwrap();
+            conn.execute("COMMIT").await.unwrap();
+            row.0
+        };
+        assert_eq!(
+            attempts, 0,
+            "the rolled-back handoff's claim of job 2 did not stand"
+        );
+        while sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM tiny_job")
+            .fetch_one(db.pool())
+            .await
+            .unwrap()
+            > 0
+        {
+            let poisoned = handle.snapshot().poisoned;
+            assert_eq!(
+                poisoned, None,
+                "the attempt failed instead of disposing plainly"
+            );
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the queue did not drain"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let snap = handle.snapshot();
+        assert_eq!(snap.poisoned, None);
+        assert_eq!(snap.attempts_failed, 0);
+        assert_eq!(snap.attempts_completed, 3, "each job ran once");
+        // Job 1's handoff (the deadlock) and job 3's (an empty queue) claimed nothing; job 2's
+        // claimed job 3.
+        assert_eq!(
+            (snap.handoffs, snap.handoffs_declined, snap.attempts_handed),
+            (3, 2, 1)
+        );
+        stop.cancel();
+        run.await.unwrap().unwrap();
+        if let Some(conn) = other.lock().await.take() {
+            let _ = conn.close().await;
+        }
+        t.drop_database().await;
+    }
+}
