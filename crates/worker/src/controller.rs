@@ -622,6 +622,11 @@ impl<S: Source> Run<S> {
         }
     }
 
+    /// The Source broke the contract (`op` names the operation): fail closed.
+    fn violation(&mut self, op: &'static str, message: String) {
+        self.fail(RunErrorKind::ContractViolation, Some(op), message, None);
+    }
+
     fn fail(
         &mut self,
         kind: RunErrorKind,
@@ -750,11 +755,9 @@ impl<S: Source> Run<S> {
             if batch.is_some() {
                 // Fail closed: run none of them; their leases return them to the queue.
                 drop(batch);
-                self.fail(
-                    RunErrorKind::ContractViolation,
-                    Some("handoff"),
+                self.violation(
+                    "handoff",
                     "an attempt returned a successor without a granted handoff".into(),
-                    None,
                 );
             }
             return;
@@ -772,19 +775,15 @@ impl<S: Source> Run<S> {
         if attempts.len() > 1 {
             let n = attempts.len();
             drop(attempts);
-            return self.fail(
-                RunErrorKind::ContractViolation,
-                Some("handoff"),
+            return self.violation(
+                "handoff",
                 format!("a handoff returned {n} successors for the one slot it frees"),
-                None,
             );
         }
         if more && attempts.is_empty() {
-            return self.fail(
-                RunErrorKind::ContractViolation,
-                Some("handoff"),
+            return self.violation(
+                "handoff",
                 "a handoff returned no successor but requested continuation".into(),
-                None,
             );
         }
         if attempts.is_empty() {
@@ -1139,20 +1138,16 @@ impl<S: Source> Run<S> {
             // Fail closed: run none of them; their leases return them to the queue.
             let n = attempts.len();
             drop(attempts);
-            return self.fail(
-                RunErrorKind::ContractViolation,
-                Some("claim"),
+            return self.violation(
+                "claim",
                 format!("claim returned {n} attempts for a capacity of {free}"),
-                None,
             );
         }
         if more && attempts.is_empty() {
-            return self.fail(
-                RunErrorKind::ContractViolation,
-                Some("claim"),
+            return self.violation(
+                "claim",
                 "claim returned an empty batch that requested continuation (an empty query loop)"
                     .into(),
-                None,
             );
         }
         self.counters()
