@@ -119,13 +119,20 @@ impl Db {
     pub async fn schema_version(&self, component: &str) -> Result<i64, DbError> {
         let q = queries().for_dialect(self.dialect());
         let create = self.dialect_sql(q.get("schema_create")).await?;
-        // Concurrent `CREATE TABLE IF NOT EXISTS` can collide on PostgreSQL's catalog
-        // (`pg_type_typname_nsp_index`): the loser sees the winner's table on a second try.
+        // Concurrent `CREATE TABLE IF NOT EXISTS` can collide on PostgreSQL's catalog: the
+        // loser gets a unique violation (`pg_type_typname_nsp_index`) or, when the winner
+        // committed between its check and its insert, "relation already exists" (42P07). It
+        // sees the winner's table on a second try.
         let mut tries = 0;
         loop {
             match self.pool().execute(create.as_ref()).await {
                 Ok(_) => break,
-                Err(e) if tries < 3 && crate::support::is_unique_violation(&e) => tries += 1,
+                Err(e)
+                    if tries < 3
+                        && (crate::support::is_unique_violation(&e) || is_duplicate_table(&e)) =>
+                {
+                    tries += 1;
+                }
                 Err(e) => return Err(DbError::sql("creating nexuscrm_schema", e)),
             }
         }
@@ -240,4 +247,10 @@ impl Db {
     pub async fn migrate_ownership(&self) -> Result<usize, DbError> {
         self.migrate("runtime_work", OWNERSHIP_MIGRATIONS).await
     }
+}
+
+/// PostgreSQL's "relation already exists" (SQLSTATE 42P07), which a `CREATE TABLE IF NOT
+/// EXISTS` racing another one can still return.
+fn is_duplicate_table(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("42P07"))
 }
