@@ -193,6 +193,7 @@ impl Attempt for TinyAttempt {
 mod tests {
     use std::num::NonZeroUsize;
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
     use nexuscrm_persistence::Dialect;
@@ -209,7 +210,8 @@ mod tests {
     /// claimed attempt's disposition then waits on it.
     struct LockAfterFirstClaim {
         inner: TinySource,
-        other: Arc<Mutex<Option<AnyConnection>>>,
+        other: Arc<Mutex<AnyConnection>>,
+        locked: AtomicBool,
     }
 
     impl Source for LockAfterFirstClaim {
@@ -229,10 +231,9 @@ mod tests {
             cancel: CancellationToken,
         ) -> Result<ClaimBatch<TinyAttempt>, SourceError> {
             let batch = self.inner.claim(capacity, cancel).await?;
-            let mut other = self.other.lock().await;
-            if let Some(conn) = other.as_mut()
-                && !conn.is_in_transaction()
-            {
+            if !self.locked.swap(true, Ordering::SeqCst) {
+                let mut guard = self.other.lock().await;
+                let conn = &mut *guard;
                 conn.execute("BEGIN").await.map_err(SourceError::new)?;
                 conn.execute("SELECT id FROM tiny_job WHERE id = 1 FOR UPDATE")
                     .await
@@ -276,10 +277,11 @@ mod tests {
         // The attempt's deadlock check fires first (the server's 1 s default), so it is the
         // one rolled back, not this transaction.
         other.execute("SET deadlock_timeout = '60s'").await.unwrap();
-        let other = Arc::new(Mutex::new(Some(other)));
+        let other = Arc::new(Mutex::new(other));
         let source = LockAfterFirstClaim {
             inner: TinySource { db: db.clone() },
             other: other.clone(),
+            locked: AtomicBool::new(false),
         };
         let ctl = Controller::new(
             source,
@@ -304,7 +306,7 @@ mod tests {
         // back; its claim of job 2 went with it.
         let attempts: i32 = {
             let mut guard = other.lock().await;
-            let conn = guard.as_mut().unwrap();
+            let conn = &mut *guard;
             let row: (i32,) =
                 sqlx::query_as("SELECT attempts FROM tiny_job WHERE id = 2 FOR UPDATE")
                     .fetch_one(&mut *conn)
@@ -346,9 +348,6 @@ mod tests {
         );
         stop.cancel();
         run.await.unwrap().unwrap();
-        if let Some(conn) = other.lock().await.take() {
-            let _ = conn.close().await;
-        }
         t.drop_database().await;
     }
 }
