@@ -86,6 +86,11 @@ struct Cli {
     /// (`Config::successor_handoff`; `--successor-handoff false` measures without it).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     successor_handoff: bool,
+    /// Whether the tiny-job controller's attempts commit their dispositions in groups
+    /// (`nexuscrm_worker::batch`: one statement deletes a group's jobs and claims the
+    /// successors of its granted handoffs); the poller keeps one `DELETE` per job.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    batched_disposition: bool,
     /// Records the Formula View converges (a fresh process, then a running one).
     #[arg(long, default_value_t = 20_000)]
     formula_records: usize,
@@ -123,6 +128,8 @@ pub(crate) struct Plan {
     pub(crate) claims_in_flight: std::num::NonZeroUsize,
     /// The tiny-job controller's `successor_handoff`.
     pub(crate) successor_handoff: bool,
+    /// The tiny-job controller's batched disposition.
+    pub(crate) batched_disposition: bool,
 }
 
 /// The Runtime Worker's `claims_in_flight` for every family.
@@ -165,6 +172,7 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
             .filter(|n| n.get() <= 4)
             .ok_or("--claims-in-flight must be 1 to 4 (at most the smallest capacity)")?,
         successor_handoff: cli.successor_handoff,
+        batched_disposition: cli.batched_disposition,
     };
     if cli.smoke {
         plan.idle = Duration::from_secs(3);

@@ -151,7 +151,17 @@ async fn replica(
             start!(flow.source(), |w| f.set_waker(w))
         }
         // Its drain is submitted before the replicas start: no wake source is needed.
-        Family::Tiny => start!(crate::tiny::TinySource { db: db.clone() }, |_| ()),
+        Family::Tiny => {
+            let source = if side == Side::Controller && plan.batched_disposition {
+                crate::tiny::TinySource::batched(
+                    db.clone(),
+                    NonZeroUsize::new(capacity).expect("> 0"),
+                )
+            } else {
+                crate::tiny::TinySource::new(db.clone())
+            };
+            start!(source, |_| ())
+        }
     };
     Ok(Replica {
         task,

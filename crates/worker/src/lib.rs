@@ -158,6 +158,7 @@ macro_rules! traced {
     };
 }
 
+pub mod batch;
 pub mod bridge;
 mod classification;
 mod clock;
